@@ -1,0 +1,1 @@
+"""Triton kernels for kivi_cache, installed as ``kivi_cache.kernels``."""

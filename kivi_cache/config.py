@@ -1,0 +1,77 @@
+"""Cache configuration and its validation.
+
+Every check raises ``ValueError`` naming the parameter and the allowed values,
+and runs in ``QuantConfig.__post_init__``, before any cache state exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+ALLOWED_BITS = (2, 4, 8)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a :class:`~kivi_cache.QuantizedPagedCache` stores keys and values.
+
+    key_bits, value_bits: code width, one of 2, 4, 8.
+    group_size: keys are quantized per channel over groups of ``group_size``
+        consecutive tokens; values per token over groups of ``group_size``
+        channels (so head_dim must be divisible by it).
+    residual_length: the newest tokens kept in full precision (R). Once a
+        sequence is longer than R, between R and R + group_size - 1 tokens sit
+        in the residual window; older tokens are flushed in whole key groups.
+    page_size: tokens per page; a multiple of group_size.
+    num_pages: pages to preallocate per layer (0 = grow on demand).
+    """
+
+    key_bits: int = 4
+    value_bits: int = 4
+    group_size: int = 32
+    residual_length: int = 128
+    page_size: int = 64
+    num_pages: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("key_bits", "value_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in ALLOWED_BITS:
+                raise ValueError(f"{name} must be one of {ALLOWED_BITS}, got {value!r}")
+        _check_int("group_size", self.group_size, 1)
+        _check_int("residual_length", self.residual_length, 0)
+        _check_int("page_size", self.page_size, 1)
+        _check_int("num_pages", self.num_pages, 0)
+        if self.page_size % self.group_size:
+            raise ValueError(
+                f"page_size must be a multiple of group_size ({self.group_size}), "
+                f"got page_size={self.page_size}"
+            )
+
+    @property
+    def residual_capacity(self) -> int:
+        """Largest number of tokens the residual window holds between steps."""
+        return self.residual_length + self.group_size - 1
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise if this configuration cannot store heads of ``head_dim`` channels."""
+        if head_dim % self.group_size:
+            raise ValueError(
+                f"group_size={self.group_size} must divide the model's head_dim={head_dim} "
+                f"(values are grouped per token over channels); choose a group_size that divides {head_dim}"
+            )
+        for name in ("key_bits", "value_bits"):
+            per_byte = 8 // getattr(self, name)
+            if head_dim % per_byte:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} packs {per_byte} codes per byte along head_dim, "
+                    f"which must then be a multiple of {per_byte}; got head_dim={head_dim}"
+                )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

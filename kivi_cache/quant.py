@@ -1,0 +1,109 @@
+"""Reference quantization math in plain torch: the oracle for every kernel.
+
+Scheme (KIVI, arXiv 2402.02750): asymmetric min/max quantization with
+round-to-nearest (``floor(x + 0.5)``), codes in ``[0, 2**bits - 1]``.
+
+* keys   are quantized **per channel**: for each head and channel, a group of
+  ``group_size`` consecutive tokens shares one scale and one zero point.
+* values are quantized **per token**: for each token, a group of
+  ``group_size`` consecutive channels shares one scale and one zero point.
+
+``x ~= code * scale + zero`` with ``zero = min`` and
+``scale = (max - min) / (2**bits - 1)``. Scale and zero are rounded to the
+storage dtype first and the codes computed from the rounded values, so the
+round-trip error of every element is at most half a step (``scale / 2``) of its
+group, up to the rounding of scale and zero themselves. A constant group has
+scale 0, codes 0, and dequantizes exactly to its value.
+
+Packed layout (shared with the kernels): codes are packed along the last
+(channel) axis, *planar*: with ``n = 8 // bits`` codes per byte and ``D``
+channels, byte ``j`` of a row holds channel ``j + k * D // n`` in bits
+``[k * bits, (k + 1) * bits)`` for ``k = 0 .. n - 1``. A packed row is
+``D * bits // 8`` bytes. Unpacking chunk ``k`` of every byte yields the
+contiguous channel block ``[k * D // n, (k + 1) * D // n)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def qmax(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes ``[..., D]`` into ``[..., D * bits // 8]`` (planar layout)."""
+    n = 8 // bits
+    if n == 1:
+        return codes.to(torch.uint8)
+    d = codes.shape[-1]
+    chunks = codes.to(torch.int32).reshape(*codes.shape[:-1], n, d // n)
+    shifts = torch.arange(n, device=codes.device, dtype=torch.int32) * bits
+    return (chunks << shifts[:, None]).sum(-2).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[..., D * bits // 8]`` -> uint8 ``[..., D]``."""
+    n = 8 // bits
+    if n == 1:
+        return packed
+    p = packed.to(torch.int32)
+    shifts = torch.arange(n, device=packed.device, dtype=torch.int32) * bits
+    chunks = (p.unsqueeze(-2) >> shifts[:, None]) & qmax(bits)
+    return chunks.reshape(*packed.shape[:-1], n * packed.shape[-1]).to(torch.uint8)
+
+
+def _quantize(x: torch.Tensor, dim: int, bits: int, store_dtype: torch.dtype):
+    """Quantize ``x`` with one (scale, zero) per slice along ``dim`` (reduced)."""
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True)
+    hi = xf.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / qmax(bits)).to(store_dtype)
+    zero = lo.to(store_dtype)
+    s, z = scale.float(), zero.float()
+    q = torch.where(s > 0, torch.floor((xf - z) / torch.where(s > 0, s, 1.0) + 0.5), 0.0)
+    codes = q.clamp_(0, qmax(bits)).to(torch.uint8)
+    return codes, scale.squeeze(dim), zero.squeeze(dim)
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int, store_dtype: torch.dtype | None = None):
+    """Per-channel key quantization.
+
+    k: ``[..., T, D]`` with T a multiple of group_size.
+    Returns codes uint8 ``[..., T, D]`` (unpacked), scale and zero ``[..., T // G, D]``.
+    """
+    *lead, t, d = k.shape
+    if t % group_size:
+        raise ValueError(f"key token count {t} is not a multiple of group_size={group_size}")
+    grouped = k.reshape(*lead, t // group_size, group_size, d)
+    codes, scale, zero = _quantize(grouped, -2, bits, store_dtype or k.dtype)
+    return codes.reshape(*lead, t, d), scale, zero
+
+
+def quantize_values(v: torch.Tensor, bits: int, group_size: int, store_dtype: torch.dtype | None = None):
+    """Per-token value quantization.
+
+    v: ``[..., T, D]`` with D a multiple of group_size.
+    Returns codes uint8 ``[..., T, D]`` (unpacked), scale and zero ``[..., T, D // G]``.
+    """
+    *lead, t, d = v.shape
+    grouped = v.reshape(*lead, t, d // group_size, group_size)
+    codes, scale, zero = _quantize(grouped, -1, bits, store_dtype or v.dtype)
+    return codes.reshape(*lead, t, d), scale, zero
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """codes ``[..., T, D]`` (unpacked), scale/zero ``[..., T // G, D]`` -> ``[..., T, D]``."""
+    s = scale.float().repeat_interleave(group_size, dim=-2)
+    z = zero.float().repeat_interleave(group_size, dim=-2)
+    return (codes.float() * s + z).to(dtype or scale.dtype)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """codes ``[..., T, D]`` (unpacked), scale/zero ``[..., T, D // G]`` -> ``[..., T, D]``."""
+    s = scale.float().repeat_interleave(group_size, dim=-1)
+    z = zero.float().repeat_interleave(group_size, dim=-1)
+    return (codes.float() * s + z).to(dtype or scale.dtype)

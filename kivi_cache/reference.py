@@ -1,0 +1,157 @@
+"""Torch reference implementations of the paged operations.
+
+Each function here has a Triton twin in ``kivi_cache.kernels`` with the same
+signature; these are the oracle in tests and the CPU path. Kernel seams are
+tensors and integers only.
+
+Page pool layout (per layer; ``NP`` pages, ``H`` KV heads, ``P`` tokens per
+page, ``D`` head_dim, ``G`` group_size, ``kb``/``vb`` key/value bits):
+
+=============  ==============================  ==========================
+tensor         shape                           meaning
+=============  ==============================  ==========================
+``k_codes``    ``[NP, H, P, D * kb // 8]``     uint8, planar-packed codes
+``k_scale``    ``[NP, H, P // G, D]``          per-channel scale per group
+``k_zero``     ``[NP, H, P // G, D]``          per-channel zero (min)
+``v_codes``    ``[NP, H, P, D * vb // 8]``     uint8, planar-packed codes
+``v_scale``    ``[NP, H, P, D // G]``          per-token scale per group
+``v_zero``     ``[NP, H, P, D // G]``          per-token zero (min)
+=============  ==============================  ==========================
+
+A sequence's quantized tokens ``0 .. n - 1`` live in pages
+``block_table[b, t // P]`` at slot ``t % P``; ``n`` is always a multiple of G.
+Unused block-table entries are -1. The packing is documented in
+:mod:`kivi_cache.quant`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import (
+    dequantize_keys,
+    dequantize_values,
+    pack,
+    quantize_keys,
+    quantize_values,
+    unpack,
+)
+
+
+def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                       key_bits: int, value_bits: int, group_size: int) -> None:
+    """Quantize N key/value groups and write them into their pages in place.
+
+    k, v: ``[N, H, G, D]`` (G = group_size consecutive tokens of one sequence).
+    pages: ``[N]`` int page ids; slots: ``[N]`` int token offsets in the page
+    (multiples of G).
+    """
+    if k.shape[0] == 0:
+        return
+    g = group_size
+    pages = pages.long()
+    slots = slots.long()
+    kc, ks, kz = quantize_keys(k, key_bits, g, k_scale.dtype)  # [N,H,G,D], [N,H,1,D]
+    vc, vs, vz = quantize_values(v, value_bits, g, v_scale.dtype)  # [N,H,G,D], [N,H,G,D/G]
+    tok = slots[:, None] + torch.arange(g, device=slots.device)  # [N, G]
+    pg = pages[:, None]
+    # advanced indices around a slice put [N, G] first: [N, G, H, ...]
+    k_codes[pg, :, tok] = pack(kc, key_bits).transpose(1, 2)
+    v_codes[pg, :, tok] = pack(vc, value_bits).transpose(1, 2)
+    v_scale[pg, :, tok] = vs.transpose(1, 2)
+    v_zero[pg, :, tok] = vz.transpose(1, 2)
+    k_scale[pages, :, slots // g] = ks[:, :, 0]
+    k_zero[pages, :, slots // g] = kz[:, :, 0]
+
+
+def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                     key_bits: int, value_bits: int, group_size: int, max_len: int | None = None):
+    """Dequantize each sequence's quantized tokens.
+
+    Returns k, v ``[B, H, T, D]`` in the scale dtype, T = max_len (default:
+    ``max(lengths)``); positions at or past a sequence's length are zero.
+    """
+    b = block_table.shape[0]
+    _, h, p, _ = k_codes.shape
+    d = k_scale.shape[-1]
+    t = int(lengths.max()) if max_len is None else max_len
+    if b == 0 or t == 0:
+        empty = k_scale.new_zeros(b, h, t, d)
+        return empty, empty.clone()
+    npages = -(-t // p)
+    pages = block_table[:, :npages].long().clamp(min=0)  # [B, np]
+
+    def gather(x):  # [NP, H, X, ...] -> [B, H, np * X, ...]
+        y = x[pages]  # [B, np, H, X, ...]
+        y = y.transpose(1, 2)
+        return y.reshape(b, h, npages * x.shape[2], *x.shape[3:])
+
+    k = dequantize_keys(unpack(gather(k_codes), key_bits), gather(k_scale), gather(k_zero), group_size)
+    v = dequantize_values(unpack(gather(v_codes), value_bits), gather(v_scale), gather(v_zero), group_size)
+    valid = torch.arange(npages * p, device=lengths.device)[None, :] < lengths[:, None].long()
+    valid = valid[:, None, :, None]
+    k = torch.where(valid, k, 0)[:, :, :t]
+    v = torch.where(valid, v, 0)[:, :, :t]
+    return k, v
+
+
+def _attend(q, k, v, valid, sm_scale):
+    """q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, valid ``[B, 1|L, S]`` bool -> fp32 ``[B, Hq, L, D]``."""
+    bsz, hq, ql, d = q.shape
+    hkv = k.shape[1]
+    grp = hq // hkv
+    qf = q.float().reshape(bsz, hkv, grp * ql, d)
+    scores = qf @ k.float().transpose(-1, -2) * sm_scale  # [B, Hkv, grp*L, S]
+    scores = scores.reshape(bsz, hkv, grp, ql, -1)
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).reshape(bsz, hkv, grp * ql, -1)
+    out = probs @ v.float()
+    return out.reshape(bsz, hq, ql, d)
+
+
+def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+             res_k, res_v, res_lengths, key_bits, value_bits, group_size):
+    hk, hv = dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                              key_bits, value_bits, group_size)
+    t = hk.shape[2]
+    c = res_k.shape[2]
+    k = torch.cat([hk.to(res_k.dtype), res_k], dim=2)
+    v = torch.cat([hv.to(res_v.dtype), res_v], dim=2)
+    pos = torch.arange(t + c, device=res_k.device)
+    valid = torch.where(pos[None, :] < t, pos[None, :] < lengths[:, None].long(),
+                        (pos[None, :] - t) < res_lengths[:, None].long())
+    return k, v, valid  # valid [B, S]
+
+
+def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                           res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
+                           sm_scale: float):
+    """One query token per sequence over its quantized pages and residual window.
+
+    q: ``[B, Hq, D]``; res_k/res_v: ``[B, Hkv, C, D]`` full precision with
+    ``res_lengths[b]`` valid tokens; lengths: quantized tokens per sequence.
+    Returns ``[B, Hq, D]`` in q's dtype.
+    """
+    k, v, valid = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                           res_k, res_v, res_lengths, key_bits, value_bits, group_size)
+    out = _attend(q[:, :, None], k, v, valid[:, None], sm_scale)
+    return out[:, :, 0].to(q.dtype)
+
+
+def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                           res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
+                           group_size: int, sm_scale: float):
+    """Several query tokens over a quantized past plus their own (full precision) chunk.
+
+    q: ``[B, Hq, L, D]``; new_k/new_v: ``[B, Hkv, L, D]``; new_mask: ``[B, L, L]``
+    bool, True where query i may attend to new token j (causal and padding).
+    Every stored token (pages and residual) is visible to every query.
+    Returns ``[B, Hq, L, D]`` in q's dtype.
+    """
+    k, v, valid = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                           res_k, res_v, res_lengths, key_bits, value_bits, group_size)
+    ql = q.shape[2]
+    k = torch.cat([k, new_k.to(k.dtype)], dim=2)
+    v = torch.cat([v, new_v.to(v.dtype)], dim=2)
+    valid = torch.cat([valid[:, None, :].expand(-1, ql, -1), new_mask], dim=2)
+    return _attend(q, k, v, valid, sm_scale).to(q.dtype)
