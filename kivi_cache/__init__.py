@@ -1,0 +1,28 @@
+"""kivi_cache: a 2/4-bit quantized, paged KV cache for HuggingFace transformers.
+
+    from kivi_cache import Int4PagedCache
+    out = model.generate(ids, past_key_values=Int4PagedCache(), max_new_tokens=256)
+"""
+
+from . import hook
+from .cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, QuantizedPagedCache
+from .compat import cache_arg_name, cache_kwargs
+from .config import QuantConfig
+from .memory import MemoryReport
+from .ops import get_backend, set_backend
+
+hook.install()
+
+__all__ = [
+    "QuantizedPagedCache",
+    "Int4PagedCache",
+    "Int2PagedCache",
+    "Int8PagedCache",
+    "QuantConfig",
+    "MemoryReport",
+    "cache_arg_name",
+    "cache_kwargs",
+    "set_backend",
+    "get_backend",
+]
+__version__ = "0.1.0"

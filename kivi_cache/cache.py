@@ -1,0 +1,100 @@
+"""``QuantizedPagedCache``: the transformers ``Cache`` subclass, and its presets."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .config import QuantConfig
+from .layer import QuantizedPagedLayer
+from .memory import MemoryReport
+
+
+def _check_model_config(config) -> None:
+    """Refuse model configurations whose attention the cache would get wrong."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or []
+    unsupported = sorted({t for t in layer_types if t != "full_attention"})
+    if unsupported:
+        raise ValueError(
+            f"QuantizedPagedCache supports models whose layers are all 'full_attention'; this config has "
+            f"layer_types {unsupported}. Use transformers' DynamicCache for this model.")
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and not layer_types:
+        raise ValueError(
+            f"QuantizedPagedCache does not support sliding-window attention (sliding_window="
+            f"{text.sliding_window}); use transformers' DynamicCache for this model.")
+
+
+class QuantizedPagedCache(Cache):
+    """A 2/4/8-bit quantized, paged KV cache (KIVI: keys per channel, values per token).
+
+    Use it wherever transformers takes a cache::
+
+        out = model.generate(ids, past_key_values=QuantizedPagedCache(key_bits=2, value_bits=4))
+
+    Args:
+        key_bits, value_bits: 2, 4 or 8.
+        group_size: tokens per key group (per channel) and channels per value group (per token).
+        residual_length: newest tokens kept in full precision.
+        page_size: tokens per page (a multiple of group_size).
+        num_pages: pages to preallocate per layer (0: grow on demand).
+        config: optional model config, checked up front for unsupported attention (sliding windows).
+    """
+
+    def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 32, residual_length: int = 128,
+                 page_size: int = 64, num_pages: int = 0, config=None):
+        self.quant_config = QuantConfig(key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                                        residual_length=residual_length, page_size=page_size, num_pages=num_pages)
+        if config is not None:
+            _check_model_config(config)
+        super().__init__(layers=[])
+
+    def __repr__(self):
+        c = self.quant_config
+        return (f"{type(self).__name__}(key_bits={c.key_bits}, value_bits={c.value_bits}, group_size={c.group_size}, "
+                f"residual_length={c.residual_length}, page_size={c.page_size}, layers={len(self.layers)})")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(QuantizedPagedLayer(self.quant_config))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        sizes = {layer.batch_size for layer in self.layers if layer.is_initialized}
+        return sizes.pop() if len(sizes) == 1 else -1
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes held by this cache, by kind, and the compression against an fp16 cache."""
+        return MemoryReport.from_layers(self.layers)
+
+
+class Int4PagedCache(QuantizedPagedCache):
+    """4-bit keys and values, group 32, residual 128 (KIVI's setting; near lossless)."""
+
+    def __init__(self, **overrides):
+        kw = dict(key_bits=4, value_bits=4, group_size=32, residual_length=128)
+        kw.update(overrides)
+        super().__init__(**kw)
+
+
+class Int2PagedCache(QuantizedPagedCache):
+    """2-bit keys and values, group 32, residual 128 (KIVI-2)."""
+
+    def __init__(self, **overrides):
+        kw = dict(key_bits=2, value_bits=2, group_size=32, residual_length=128)
+        kw.update(overrides)
+        super().__init__(**kw)
+
+
+class Int8PagedCache(QuantizedPagedCache):
+    """8-bit keys and values: a reference point, practically lossless."""
+
+    def __init__(self, **overrides):
+        kw = dict(key_bits=8, value_bits=8, group_size=32, residual_length=128)
+        kw.update(overrides)
+        super().__init__(**kw)

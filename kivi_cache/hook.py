@@ -1,0 +1,67 @@
+"""The attention hook: how a model's attention reads the quantized pages.
+
+On import, kivi_cache wraps transformers' ``"sdpa"`` attention function and
+registers a named implementation ``"kivi"`` (with the sdpa mask function).
+The wrapper is a pass-through unless the keys it receives came from a
+``QuantizedPagedCache`` (a :class:`~kivi_cache.lazy.KVHandle`); then it
+computes attention from the pages and the residual window. Cases it does not
+serve (sliding windows, soft-capping, attention sinks, dropout, attention
+weights) get the materialized full-precision history and the original
+function: slower, never wrong. Any other implementation (``eager``, flash)
+materializes through the handle the same way.
+"""
+
+from __future__ import annotations
+
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from .lazy import KVHandle
+
+NAME = "kivi"
+_original_sdpa = None
+
+
+def _served(module, query, dropout, kwargs) -> bool:
+    return (
+        getattr(module, "sliding_window", None) is None
+        and getattr(module, "is_causal", True)
+        and not dropout
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and kwargs.get("sinks") is None
+        and kwargs.get("position_bias") is None
+        and not kwargs.get("output_attentions", False)
+    )
+
+
+def kivi_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           **kwargs):
+    """An attention function for transformers' ``AttentionInterface`` (same signature as sdpa's)."""
+    if not isinstance(key, KVHandle):
+        return _original_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if not _served(module, query, dropout, kwargs):
+        return _original_sdpa(module, query, key.materialize(), value.materialize(), attention_mask,
+                              dropout=dropout, scaling=scaling, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    step = key.step
+    out = step.layer.attend(step, query, attention_mask, scaling, _original_sdpa, module, **kwargs)
+    return out, None
+
+
+def install() -> None:
+    """Wrap the global ``sdpa`` attention function and register ``kivi`` (idempotent)."""
+    global _original_sdpa
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if current is not kivi_attention_forward:
+        _original_sdpa = current
+        AttentionInterface.register("sdpa", kivi_attention_forward)
+    AttentionInterface.register(NAME, kivi_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def uninstall() -> None:
+    """Restore transformers' own ``sdpa`` function (the ``kivi`` name stays registered)."""
+    if _original_sdpa is not None and ALL_ATTENTION_FUNCTIONS["sdpa"] is kivi_attention_forward:
+        AttentionInterface.register("sdpa", _original_sdpa)

@@ -1,0 +1,414 @@
+"""One model layer's quantized, paged KV cache (a transformers ``CacheLayerMixin``).
+
+State per sequence ``b``:
+
+* ``pads[b]``: positions of the batch's virtual timeline that hold no stored
+  token (left padding; those tokens are never stored when the attention hook
+  sees the padding mask);
+* ``q_lens[b]`` quantized tokens in the pages listed by ``tables[b]``
+  (always a multiple of ``group_size``);
+* ``r_lens[b]`` newest tokens in full precision in ``res_k/res_v[b]``.
+
+``seen`` is the virtual length (what ``get_seq_length`` reports and the masks
+are built for): ``seen == pads[b] + q_lens[b] + r_lens[b]`` for every b.
+
+Semantics every path follows: a single new token is stored first and then
+attended to from the pages and residual window; a chunk of several new tokens
+attends to the stored history plus its own full-precision keys and values
+(causal within the chunk), and is stored afterwards. A prompt on an empty cache
+is thus attended in full precision, as in KIVI.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from . import ops
+from .config import QuantConfig
+from .lazy import KVHandle, PendingStep
+from .pool import PagePool
+
+
+class QuantizedPagedLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cfg: QuantConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.pool: PagePool | None = None
+        self._clear_sequences()
+
+    # ------------------------------------------------------------------ state
+    def _clear_sequences(self) -> None:
+        self.batch_size = 0
+        self.tables: list[list[int]] = []
+        self.q_lens: list[int] = []
+        self.r_lens: list[int] = []
+        self.pads: list[int] = []
+        self.seen = 0
+        self.res_k = self.res_v = None
+        self.pending: PendingStep | None = None
+        self._dev = None  # cached (block_table, q_lens, r_lens) device tensors
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.cfg.check_head_dim(d)  # raises before any state is touched
+        if value_states.shape[1] != h or value_states.shape[-1] != d:
+            raise ValueError(
+                f"key and value heads must have the same shape, got {tuple(key_states.shape)} and "
+                f"{tuple(value_states.shape)}")
+        if key_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"key_states dtype must be float16, bfloat16 or float32, got {key_states.dtype}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_heads, self.head_dim = h, d
+        pool = self.pool
+        if pool is None or (pool.num_heads, pool.head_dim, pool.dtype, pool.device) != (h, d, self.dtype,
+                                                                                          self.device):
+            self.pool = PagePool(self.cfg, h, d, self.dtype, self.device)
+        self._clear_sequences()
+        self.batch_size = b
+        self.tables = [[] for _ in range(b)]
+        self.q_lens = [0] * b
+        self.r_lens = [0] * b
+        self.pads = [0] * b
+        cap = self.cfg.residual_length + self.cfg.group_size
+        self.res_k = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)
+        self.res_v = torch.zeros_like(self.res_k)
+        self.is_initialized = True
+
+    def _device_state(self):
+        if self._dev is None:
+            width = max(1, max((len(t) for t in self.tables), default=1))
+            bt = torch.full((self.batch_size, width), -1, dtype=torch.int32)
+            for i, t in enumerate(self.tables):
+                bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            self._dev = (
+                bt.to(self.device),
+                torch.tensor(self.q_lens, dtype=torch.int32).to(self.device),
+                torch.tensor(self.r_lens, dtype=torch.int32).to(self.device),
+            )
+        return self._dev
+
+    # ----------------------------------------------------------------- update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, n, d = key_states.shape
+        if (b, h, d) != (self.batch_size, self.num_heads, self.head_dim) or value_states.shape != key_states.shape:
+            raise ValueError(
+                f"key/value states of shape {tuple(key_states.shape)}/{tuple(value_states.shape)} do not match "
+                f"the cache (batch {self.batch_size}, {self.num_heads} heads, head_dim {self.head_dim})")
+        if self.pending is not None:
+            self.commit(self.pending)  # the last step's attention never read its handles
+        step = PendingStep(self, key_states, value_states)
+        self.pending = step
+        self.seen += n
+        shape = (b, h, self.seen, d)
+        return KVHandle(step, 0, shape), KVHandle(step, 1, shape)
+
+    def commit(self, step: PendingStep, valid: torch.Tensor | None = None) -> None:
+        """Store the step's new tokens. ``valid`` ``[B, L]`` bool marks real (non-pad) tokens."""
+        if step.done:
+            return
+        if step is not self.pending:
+            raise RuntimeError("kivi_cache: a stale key/value handle was used after a later cache update")
+        step.done = True
+        self.pending = None
+        k, v = step.key, step.value
+        if valid is None and k.shape[2] == 1:
+            self._append_one(k, v)
+        else:
+            self._append_chunk(k, v, valid)
+
+    def _append_one(self, k, v) -> None:
+        r = self.r_lens
+        if min(r) == max(r):
+            self.res_k[:, :, r[0]] = k[:, :, 0]
+            self.res_v[:, :, r[0]] = v[:, :, 0]
+        else:
+            rows = torch.arange(self.batch_size, device=self.device)
+            idx = self._device_state()[2].long()
+            self.res_k[rows, :, idx] = k[:, :, 0]
+            self.res_v[rows, :, idx] = v[:, :, 0]
+        self.r_lens = [x + 1 for x in r]
+        if self._dev is not None:
+            self._dev[2].add_(1)
+        limit = self.cfg.residual_length + self.cfg.group_size
+        full = [i for i, x in enumerate(self.r_lens) if x >= limit]
+        if full:
+            self._flush_residual(full)
+
+    def _flush_residual(self, seqs) -> None:
+        cfg = self.cfg
+        items = []
+        for i in seqs:
+            c = (self.r_lens[i] - cfg.residual_length) // cfg.group_size * cfg.group_size
+            items.append((i, self.res_k[i, :, :c], self.res_v[i, :, :c]))
+        self._write_groups(items)  # copies the groups out before the shift below
+        for i, kc, _ in items:
+            c, r = kc.shape[1], self.r_lens[i]
+            self.res_k[i, :, : r - c] = self.res_k[i, :, c:r].clone()
+            self.res_v[i, :, : r - c] = self.res_v[i, :, c:r].clone()
+            self.r_lens[i] = r - c
+        self._dev = None
+
+    def _append_chunk(self, k, v, valid) -> None:
+        cfg = self.cfg
+        n_new = k.shape[2]
+        items = []
+        for i in range(self.batch_size):
+            if valid is None:
+                nk, nv = k[i], v[i]
+            else:
+                keep = valid[i].nonzero().squeeze(-1)
+                nk, nv = k[i].index_select(1, keep), v[i].index_select(1, keep)
+            n = nk.shape[1]
+            self.pads[i] += n_new - n
+            r = self.r_lens[i]
+            total = r + n
+            c = max(0, (total - cfg.residual_length) // cfg.group_size * cfg.group_size)
+            if c == 0:
+                self.res_k[i, :, r:total] = nk
+                self.res_v[i, :, r:total] = nv
+            else:
+                if r:
+                    nk = torch.cat([self.res_k[i, :, :r], nk], dim=1)
+                    nv = torch.cat([self.res_v[i, :, :r], nv], dim=1)
+                items.append((i, nk[:, :c], nv[:, :c]))
+                self.res_k[i, :, : total - c] = nk[:, c:]
+                self.res_v[i, :, : total - c] = nv[:, c:]
+            self.r_lens[i] = total - c
+        self._write_groups(items)
+        self._dev = None
+
+    def _write_groups(self, items) -> None:
+        """Quantize and write ``(seq, keys [H, c, D], values [H, c, D])`` items (c multiple of G), one launch."""
+        if not items:
+            return
+        cfg, pool = self.cfg, self.pool
+        g, p = cfg.group_size, cfg.page_size
+        pages, slots, ks, vs = [], [], [], []
+        for i, kc, vc in items:
+            c = kc.shape[1]
+            table = self.tables[i]
+            for t in range(self.q_lens[i], self.q_lens[i] + c, g):
+                j, slot = divmod(t, p)
+                if j == len(table):
+                    table.append(pool.allocate())
+                elif t == self.q_lens[i]:  # first write into a partly filled page
+                    table[j] = pool.copy_on_write(table[j])
+                pages.append(table[j])
+                slots.append(slot)
+            self.q_lens[i] += c
+            h, _, d = kc.shape
+            ks.append(kc.reshape(h, c // g, g, d).transpose(0, 1))
+            vs.append(vc.reshape(h, c // g, g, d).transpose(0, 1))
+        k_groups = torch.cat(ks).contiguous()
+        v_groups = torch.cat(vs).contiguous()
+        ops.quantize_and_write(
+            k_groups, v_groups,
+            torch.tensor(pages, dtype=torch.int32).to(self.device),
+            torch.tensor(slots, dtype=torch.int32).to(self.device),
+            *pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=g)
+        self._dev = None
+
+    # -------------------------------------------------------------- attention
+    def attend(self, step: PendingStep, query: torch.Tensor, attention_mask, scaling: float, sdpa_fn, module,
+               **kwargs) -> torch.Tensor:
+        """Attention for the step's queries ``[B, Hq, L, D]``; returns ``[B, L, Hq, D]``."""
+        n = query.shape[2]
+        valid, new_mask = _parse_mask(attention_mask, n, self.batch_size, query.device)
+        cfg = self.cfg
+        bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
+        if n == 1:
+            self.commit(step, valid)
+            bt, ql, rl = self._device_state()
+            out = ops.paged_decode_attention(
+                query[:, :, 0], bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
+                sm_scale=scaling, **bits)
+            return out[:, None]
+        if not any(self.q_lens) and not any(self.r_lens):
+            # a prompt on an empty cache: plain full-precision attention over it
+            mask = None if attention_mask is None else attention_mask[..., -n:]
+            out, _ = sdpa_fn(module, query, step.key, step.value, mask, scaling=scaling, **kwargs)
+            self.commit(step, valid)
+            return out
+        bt, ql, rl = self._device_state()
+        out = ops.paged_prefix_attention(
+            query, bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
+            new_k=step.key, new_v=step.value, new_mask=new_mask, sm_scale=scaling, **bits)
+        self.commit(step, valid)
+        return out.transpose(1, 2)
+
+    def materialize(self, step: PendingStep):
+        """Full-precision ``[B, H, seen, D]`` keys and values for attention functions the hook does not serve."""
+        n = step.key.shape[2]
+        if n == 1:
+            self.commit(step)
+            return self._stored_layout(self.seen)
+        k0, v0 = self._stored_layout(self.seen - n)
+        k = torch.cat([k0, step.key], dim=2)
+        v = torch.cat([v0, step.value], dim=2)
+        self.commit(step)
+        return k, v
+
+    def _stored_layout(self, length: int):
+        """Stored tokens dequantized, right-aligned in a ``[B, H, length, D]`` timeline (pads as zeros)."""
+        b, h, d = self.batch_size, self.num_heads, self.head_dim
+        k = torch.zeros(b, h, length, d, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        if length == 0:
+            return k, v
+        cfg = self.cfg
+        bt, ql, _ = self._device_state()
+        qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits,
+                                      group_size=cfg.group_size, max_len=max(self.q_lens))
+        for i in range(b):
+            q, r = self.q_lens[i], self.r_lens[i]
+            start = length - q - r
+            k[i, :, start:start + q] = qk[i, :, :q]
+            v[i, :, start:start + q] = qv[i, :, :q]
+            k[i, :, start + q:length] = self.res_k[i, :, :r]
+            v[i, :, start + q:length] = self.res_v[i, :, :r]
+        return k, v
+
+    # ------------------------------------------------- sizes, as transformers asks
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older signature: cache_position
+            query_length = query_length.shape[0]
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ------------------------------------------------------- batch operations
+    def _flush_pending(self) -> None:
+        if self.pending is not None:
+            self.commit(self.pending)
+
+    def _select(self, index) -> None:
+        self._flush_pending()
+        if isinstance(index, torch.Tensor):
+            if index.dtype == torch.bool:
+                index = index.nonzero().squeeze(-1)
+            index = index.tolist()
+        index = [int(i) for i in index]
+        if any(i < 0 or i >= self.batch_size for i in index):
+            raise IndexError(f"batch index out of range for batch size {self.batch_size}: {index}")
+        new_tables = [list(self.tables[i]) for i in index]
+        for t in new_tables:
+            self.pool.share(t)
+        for t in self.tables:
+            self.pool.release(t)
+        self.tables = new_tables
+        self.q_lens = [self.q_lens[i] for i in index]
+        self.r_lens = [self.r_lens[i] for i in index]
+        self.pads = [self.pads[i] for i in index]
+        rows = torch.tensor(index, dtype=torch.long, device=self.device)
+        self.res_k = self.res_k.index_select(0, rows)
+        self.res_v = self.res_v.index_select(0, rows)
+        self.batch_size = len(index)
+        self._dev = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select([i for i in range(self.batch_size) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens: ``crop(-n)`` removes n; ``crop(m)`` with m >= 0 keeps the first m."""
+        if not self.is_initialized:
+            return
+        self._flush_pending()
+        remove = -tokens_to_remove if tokens_to_remove < 0 else max(0, self.seen - tokens_to_remove)
+        remove = min(remove, self.seen)
+        if remove == 0:
+            return
+        cfg = self.cfg
+        g, p = cfg.group_size, cfg.page_size
+        for i in range(self.batch_size):
+            drop = min(remove, self.q_lens[i] + self.r_lens[i])
+            if drop <= self.r_lens[i]:
+                self.r_lens[i] -= drop
+                continue
+            keep_q = self.q_lens[i] + self.r_lens[i] - drop  # tokens that stay, all in pages now
+            start = keep_q // g * g  # the partial group goes back to the residual window
+            if keep_q > start:
+                bt, ql, _ = self._device_state()
+                dk, dv = ops.dequantize_pages(bt[i:i + 1], ql[i:i + 1], *self.pool.args(), key_bits=cfg.key_bits,
+                                              value_bits=cfg.value_bits, group_size=g, max_len=keep_q)
+                self.res_k[i, :, : keep_q - start] = dk[0, :, start:keep_q]
+                self.res_v[i, :, : keep_q - start] = dv[0, :, start:keep_q]
+            self.r_lens[i] = keep_q - start
+            self.q_lens[i] = start
+            n_pages = -(-start // p)
+            self.pool.release(self.tables[i][n_pages:])
+            del self.tables[i][n_pages:]
+            self._dev = None
+        self.pads = [max(0, x - max(0, remove - (self.seen - x))) for x in self.pads]
+        self.seen -= remove
+        self._dev = None
+
+    def reset(self) -> None:
+        if self.pool is not None:
+            for t in self.tables:
+                self.pool.release(t)
+        self._clear_sequences()
+        self.is_initialized = False
+
+    def offload(self):
+        raise NotImplementedError("kivi_cache does not support cache offloading")
+
+    def prefetch(self):
+        raise NotImplementedError("kivi_cache does not support cache offloading")
+
+    # ----------------------------------------------------------------- memory
+    def memory_stats(self) -> dict:
+        if self.pool is None:
+            return {}
+        c, h, d = self.cfg, self.num_heads, self.head_dim
+        per_page = self.pool.page_nbytes()
+        live_q = sum(self.q_lens)
+        frac = live_q / c.page_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        live_r = sum(self.r_lens)
+        residual_alloc = 0 if self.res_k is None else 2 * self.res_k.numel() * elem
+        pages_used = self.pool.pages_in_use
+        return {
+            "quantized_tokens": live_q,
+            "residual_tokens": live_r,
+            "codes": int(per_page["codes"] * frac),
+            "scales": int(per_page["scales"] * frac),
+            "zeros": int(per_page["zeros"] * frac),
+            "residual": 2 * live_r * h * d * elem,
+            "residual_allocated": residual_alloc,
+            "pool_allocated": self.pool.allocated_bytes(),
+            "pages_total": self.pool.capacity,
+            "pages_in_use": pages_used,
+            "fp16_equivalent": 2 * (live_q + live_r) * h * d * 2,
+        }
+
+
+def _parse_mask(mask, n: int, batch: int, device):
+    """From the model's 4-D mask, the new tokens that are real (``[B, n]``, None if all) and the
+    chunk-internal visibility ``[B, n, n]`` (True = may attend)."""
+    if mask is None:
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        return None, causal.expand(batch, n, n)
+    m = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    cols = m[:, 0, -n:, -n:].expand(batch, n, n)
+    valid = cols.any(dim=1)
+    return (None if bool(valid.all()) else valid), cols

@@ -1,0 +1,74 @@
+"""The key/value handles that ``QuantizedPagedCache.update`` returns.
+
+A handle is a ``torch.Tensor`` subclass with the shape, dtype and device of the
+full key (or value) history the model expects, but no data. kivi_cache's
+attention function recognises it and reads the pages directly. Any other use
+(eager attention, flash attention, user code) goes through
+``__torch_function__``, which materializes the full-precision history once per
+step and runs the operation on it: slower, but always correct.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+_METADATA = {
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.__repr__,
+}
+
+
+class PendingStep:
+    """The new tokens of one update call, shared by its key and value handles."""
+
+    __slots__ = ("layer", "key", "value", "materialized", "done")
+
+    def __init__(self, layer, key: torch.Tensor, value: torch.Tensor):
+        self.layer = layer
+        self.key = key
+        self.value = value
+        self.materialized = None
+        self.done = False
+
+
+class KVHandle(torch.Tensor):
+    @staticmethod
+    def __new__(cls, step: PendingStep, which: int, shape):
+        src = step.key if which == 0 else step.value
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=src.dtype, device=src.device)
+        t.step = step
+        t.which = which
+        return t
+
+    def __repr__(self, *args, **kwargs):
+        return f"KVHandle(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    def materialize(self) -> torch.Tensor:
+        step = self.step
+        if step.materialized is None:
+            step.materialized = step.layer.materialize(step)
+        return step.materialized[self.which]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+
+        def real(a):
+            return a.materialize() if isinstance(a, KVHandle) else a
+
+        args, kwargs = tree_map(real, args), tree_map(real, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"kivi_cache: KVHandle reached the dispatcher in {func}; please report this")

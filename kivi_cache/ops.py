@@ -1,0 +1,87 @@
+"""One function per paged operation; each picks the Triton kernel or the torch reference.
+
+Backend choice (``set_backend``): ``"auto"`` (default) uses the kernels for CUDA
+tensors when Triton is importable and the reference otherwise (CPU). On a CUDA
+tensor without working kernels the reference is used and a warning is issued
+once, so a GPU run is never silently slow. ``"torch"`` forces the reference,
+``"triton"`` forces the kernels (also on CPU under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from . import reference
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = "auto"
+_kernels = None
+_kernel_error: str | None = None
+_warned = False
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def _load_kernels():
+    global _kernels, _kernel_error
+    if _kernels is None and _kernel_error is None:
+        try:
+            from . import kernels  # noqa: PLC0415  (imports triton)
+
+            _kernels = kernels
+        except Exception as exc:  # ImportError, or triton failing to initialise
+            _kernel_error = f"{type(exc).__name__}: {exc}"
+    return _kernels
+
+
+def _impl(device_type: str):
+    global _warned
+    if _backend == "torch":
+        return reference
+    if _backend == "triton":
+        mod = _load_kernels()
+        if mod is None:
+            raise RuntimeError(f"backend 'triton' requested but the kernels cannot load ({_kernel_error})")
+        return mod
+    if device_type != "cuda":
+        return reference
+    mod = _load_kernels()
+    if mod is None:
+        if not _warned:
+            warnings.warn(
+                f"kivi_cache: Triton kernels unavailable ({_kernel_error}); falling back to the torch "
+                "reference on the GPU, which is much slower", RuntimeWarning, stacklevel=3)
+            _warned = True
+        return reference
+    return mod
+
+
+def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size):
+    _impl(k.device.type).quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size)
+
+
+def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None):
+    return _impl(block_table.device.type).dequantize_pages(
+        block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=max_len)
+
+
+def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
+                           group_size, sm_scale):
+    return _impl(q.device.type).paged_decode_attention(
+        q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size, sm_scale)
+
+
+def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
+                           key_bits, value_bits, group_size, sm_scale):
+    return _impl(q.device.type).paged_prefix_attention(
+        q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits,
+        value_bits, group_size, sm_scale)

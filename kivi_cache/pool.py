@@ -1,0 +1,101 @@
+"""A per-layer pool of fixed-size pages with a free list and reference counts.
+
+Pages hold quantized keys and values in the layout documented in
+:mod:`kivi_cache.reference`. Sequences refer to pages through block tables
+(lists of page ids) kept by the cache layer; the pool only hands out page ids,
+counts references (beam search shares pages between sequences) and recycles
+pages whose count drops to zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import QuantConfig
+
+
+class PagePool:
+    def __init__(self, cfg: QuantConfig, num_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.cfg = cfg
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.capacity = 0
+        self.refcount: list[int] = []
+        self.free: list[int] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._grow(cfg.num_pages)
+
+    # shapes of one page of each tensor (see reference.py)
+    def _page_shapes(self):
+        c, h, d = self.cfg, self.num_heads, self.head_dim
+        p, g = c.page_size, c.group_size
+        return {
+            "k_codes": ((h, p, d * c.key_bits // 8), torch.uint8),
+            "k_scale": ((h, p // g, d), self.dtype),
+            "k_zero": ((h, p // g, d), self.dtype),
+            "v_codes": ((h, p, d * c.value_bits // 8), torch.uint8),
+            "v_scale": ((h, p, d // g), self.dtype),
+            "v_zero": ((h, p, d // g), self.dtype),
+        }
+
+    def _grow(self, new_capacity: int) -> None:
+        if new_capacity <= self.capacity:
+            return
+        extra = new_capacity - self.capacity
+        for name, (shape, dtype) in self._page_shapes().items():
+            fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.device)
+            old = self.tensors.get(name)
+            self.tensors[name] = fresh if old is None else torch.cat([old, fresh])
+        # hand out low page ids first
+        self.free.extend(range(new_capacity - 1, self.capacity - 1, -1))
+        self.refcount.extend([0] * extra)
+        self.capacity = new_capacity
+
+    def allocate(self) -> int:
+        if not self.free:
+            self._grow(max(16, 2 * self.capacity))
+        page = self.free.pop()
+        self.refcount[page] = 1
+        return page
+
+    def share(self, pages) -> None:
+        for page in pages:
+            self.refcount[page] += 1
+
+    def release(self, pages) -> None:
+        for page in pages:
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0:
+                self.free.append(page)
+
+    def copy_on_write(self, page: int) -> int:
+        """Return a page the caller may write: ``page`` itself if unshared, else a private copy."""
+        if self.refcount[page] == 1:
+            return page
+        fresh = self.allocate()
+        for t in self.tensors.values():
+            t[fresh].copy_(t[page])
+        self.release([page])
+        return fresh
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.capacity - len(self.free)
+
+    def page_nbytes(self) -> dict[str, int]:
+        """Bytes of one page: codes, scales and zero points (keys + values)."""
+        out = {"codes": 0, "scales": 0, "zeros": 0}
+        for name, (shape, dtype) in self._page_shapes().items():
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            out["codes" if "codes" in name else "scales" if "scale" in name else "zeros"] += n
+        return out
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def args(self):
+        t = self.tensors
+        return (t["k_codes"], t["k_scale"], t["k_zero"], t["v_codes"], t["v_scale"], t["v_zero"])
