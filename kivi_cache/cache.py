@@ -55,6 +55,8 @@ class QuantizedPagedCache(Cache):
                 f"residual_length={c.residual_length}, page_size={c.page_size}, layers={len(self.layers)})")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
+            self.quant_config.check_head_dim(key_states.shape[-1])  # before any state changes
         while len(self.layers) <= layer_idx:
             self.layers.append(QuantizedPagedLayer(self.quant_config))
         return self.layers[layer_idx].update(key_states, value_states)

@@ -41,7 +41,7 @@ class QuantConfig:
     def __post_init__(self) -> None:
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
-            if isinstance(value, bool) or value not in ALLOWED_BITS:
+            if type(value) is not int or value not in ALLOWED_BITS:
                 raise ValueError(f"{name} must be one of {ALLOWED_BITS}, got {value!r}")
         _check_int("group_size", self.group_size, 1)
         _check_int("residual_length", self.residual_length, 0)

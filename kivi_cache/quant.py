@@ -8,12 +8,19 @@ round-to-nearest (``floor(x + 0.5)``), codes in ``[0, 2**bits - 1]``.
 * values are quantized **per token**: for each token, a group of
   ``group_size`` consecutive channels shares one scale and one zero point.
 
-``x ~= code * scale + zero`` with ``zero = min`` and
-``scale = (max - min) / (2**bits - 1)``. Scale and zero are rounded to the
-storage dtype first and the codes computed from the rounded values, so the
-round-trip error of every element is at most half a step (``scale / 2``) of its
-group, up to the rounding of scale and zero themselves. A constant group has
-scale 0, codes 0, and dequantizes exactly to its value.
+``x ~= code * scale + zero``. In order, with ``S`` the storage dtype of scales
+and zero points (the model's dtype) and all arithmetic in fp32:
+
+1. ``zero = min(group)`` rounded to nearest in S;
+2. ``scale = (max(group) - zero) / (2**bits - 1)`` rounded *up* in S (the
+   next representable value when the cast rounded down), so the largest
+   element never needs a code above ``2**bits - 1``;
+3. ``code = clamp(floor((x - zero) / scale + 0.5), 0, 2**bits - 1)``, and
+   ``code = 0`` where ``scale == 0``.
+
+So every element's round-trip error is at most half a step (``scale / 2``) of
+its group, plus the rounding of ``zero`` and of the output in S. A constant
+group has scale 0, codes 0, and dequantizes exactly to its value.
 
 Packed layout (shared with the kernels): codes are packed along the last
 (channel) axis, *planar*: with ``n = 8 // bits`` codes per byte and ``D``
@@ -54,14 +61,24 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return chunks.reshape(*packed.shape[:-1], n * packed.shape[-1]).to(torch.uint8)
 
 
+def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast non-negative fp32 ``x`` to ``dtype``, rounding up (never below ``x``)."""
+    y = x.to(dtype)
+    if dtype == torch.float32:
+        return y
+    low = y.float() < x
+    bumped = (y.view(torch.int16) + 1).view(dtype)  # next representable value above a positive y
+    return torch.where(low, bumped, y)
+
+
 def _quantize(x: torch.Tensor, dim: int, bits: int, store_dtype: torch.dtype):
     """Quantize ``x`` with one (scale, zero) per slice along ``dim`` (reduced)."""
     xf = x.float()
-    lo = xf.amin(dim=dim, keepdim=True)
-    hi = xf.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / qmax(bits)).to(store_dtype)
-    zero = lo.to(store_dtype)
-    s, z = scale.float(), zero.float()
+    zero = xf.amin(dim=dim, keepdim=True).to(store_dtype)
+    z = zero.float()
+    span = (xf.amax(dim=dim, keepdim=True) - z).clamp_(min=0)
+    scale = round_up_to(span / qmax(bits), store_dtype)
+    s = scale.float()
     q = torch.where(s > 0, torch.floor((xf - z) / torch.where(s > 0, s, 1.0) + 0.5), 0.0)
     codes = q.clamp_(0, qmax(bits)).to(torch.uint8)
     return codes, scale.squeeze(dim), zero.squeeze(dim)

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from kivi_cache import Int2PagedCache, Int4PagedCache, QuantConfig, QuantizedPagedCache, set_backend
+
+BAD = [
+    ("key_bits", 3, r"key_bits must be one of \(2, 4, 8\)"),
+    ("key_bits", 16, r"key_bits must be one of \(2, 4, 8\)"),
+    ("key_bits", True, r"key_bits must be one of"),
+    ("key_bits", "4", r"key_bits must be one of"),
+    ("value_bits", 1, r"value_bits must be one of \(2, 4, 8\)"),
+    ("value_bits", 4.0, r"value_bits must be one of"),
+    ("group_size", 0, r"group_size must be an integer >= 1"),
+    ("group_size", 16.5, r"group_size must be an integer >= 1"),
+    ("residual_length", -1, r"residual_length must be an integer >= 0"),
+    ("page_size", 0, r"page_size must be an integer >= 1"),
+    ("page_size", 48, r"page_size must be a multiple of group_size \(32\)"),
+    ("num_pages", -2, r"num_pages must be an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize("name,value,msg", BAD)
+def test_invalid_values_name_parameter_and_allowed_values(name, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        QuantConfig(**{name: value})
+    with pytest.raises(ValueError, match=msg):
+        QuantizedPagedCache(**{name: value})
+
+
+def test_presets_defaults_and_overrides():
+    c4, c2 = Int4PagedCache(), Int2PagedCache(residual_length=64)
+    assert (c4.quant_config.key_bits, c4.quant_config.value_bits, c4.quant_config.group_size,
+            c4.quant_config.residual_length) == (4, 4, 32, 128)
+    assert (c2.quant_config.key_bits, c2.quant_config.residual_length) == (2, 64)
+    with pytest.raises(ValueError, match="key_bits"):
+        Int4PagedCache(key_bits=5)
+
+
+def test_head_dim_not_divisible_by_group_fails_at_first_update_without_state():
+    cache = QuantizedPagedCache(group_size=32, page_size=64)
+    k = torch.randn(1, 2, 5, 48)
+    with pytest.raises(ValueError, match=r"group_size=32 must divide the model's head_dim=48"):
+        cache.update(k, k, 0)
+    assert len(cache.layers) == 0 and cache.get_seq_length() == 0
+
+
+def test_head_dim_not_packable_is_refused():
+    cache = QuantizedPagedCache(key_bits=2, group_size=2, page_size=2)
+    k = torch.randn(1, 2, 3, 6)
+    with pytest.raises(ValueError, match="key_bits=2 packs 4 codes per byte"):
+        cache.update(k, k, 0)
+
+
+def test_backend_name_validated():
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\)"):
+        set_backend("cuda")
+
+
+def test_sliding_window_config_refused():
+    from transformers import MistralConfig, Qwen2Config
+
+    with pytest.raises(ValueError, match="sliding-window"):
+        QuantizedPagedCache(config=MistralConfig(sliding_window=64))
+    mixed = Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=2)
+    with pytest.raises(ValueError, match="layer_types"):
+        QuantizedPagedCache(config=mixed)
+    QuantizedPagedCache(config=Qwen2Config(num_hidden_layers=2))  # plain full attention is fine

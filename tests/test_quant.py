@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from kivi_cache import quant
+from kivi_cache import reference as ref
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_roundtrip_and_documented_layout(bits):
+    d = 64
+    codes = torch.randint(0, 1 << bits, (3, 7, d), dtype=torch.uint8)
+    packed = quant.pack(codes, bits)
+    assert packed.shape == (3, 7, d * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(quant.unpack(packed, bits), codes)
+    n = 8 // bits
+    # byte j holds channel j + k * D / n in bits [k*bits, (k+1)*bits)
+    for k in range(n):
+        chunk = (packed.to(torch.int32) >> (k * bits)) & ((1 << bits) - 1)
+        assert torch.equal(chunk.to(torch.uint8), codes[..., k * d // n:(k + 1) * d // n])
+
+
+def _step_bound(x, deq, scale, expand):
+    err = (x.float() - deq.float()).abs()
+    half_step = expand(scale.float()) / 2
+    # scale and zero are rounded to the storage dtype; allow that rounding on top of half a step
+    eps = torch.finfo(scale.dtype).eps
+    slack = eps * (x.float().abs() + expand(scale.float())) * 4
+    return err, half_step + slack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_key_roundtrip_within_half_step(dtype, bits):
+    g = 32
+    k = (torch.randn(2, 3, 96, 64) * 3 + torch.randn(1, 1, 1, 64) * 5).to(dtype)
+    codes, scale, zero = quant.quantize_keys(k, bits, g)
+    assert scale.shape == zero.shape == (2, 3, 3, 64) and scale.dtype == dtype
+    deq = quant.dequantize_keys(codes, scale, zero, g)
+    err, bound = _step_bound(k, deq, scale, lambda s: s.repeat_interleave(g, dim=-2))
+    assert (err <= bound).all(), (err - bound).max()
+    assert err.max() > 0  # the test can fail: quantization is lossy at these widths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_value_roundtrip_within_half_step(dtype, bits):
+    g = 32
+    v = (torch.randn(2, 3, 17, 64) * 2).to(dtype)
+    codes, scale, zero = quant.quantize_values(v, bits, g)
+    assert scale.shape == (2, 3, 17, 2)
+    deq = quant.dequantize_values(codes, scale, zero, g)
+    err, bound = _step_bound(v, deq, scale, lambda s: s.repeat_interleave(g, dim=-1))
+    assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_constant_groups_are_exact_and_finite(dtype):
+    k = torch.full((1, 2, 32, 64), 0.3, dtype=dtype)
+    k[0, 1] = -7.25
+    for bits in (2, 4, 8):
+        c, s, z = quant.quantize_keys(k, bits, 32)
+        assert torch.equal(quant.dequantize_keys(c, s, z, 32), k)
+        c, s, z = quant.quantize_values(k, bits, 32)
+        out = quant.dequantize_values(c, s, z, 32)
+        assert torch.isfinite(out).all() and torch.equal(out, k)
+
+
+def test_codes_use_full_range():
+    x = torch.linspace(-1, 1, 32).repeat(1, 1, 64, 1).transpose(-1, -2).contiguous()  # [1,1,32,64]
+    codes, _, _ = quant.quantize_keys(x, 4, 32)
+    assert codes.min() == 0 and codes.max() == 15
+
+
+def test_paged_write_then_dequantize_matches_direct_quantization():
+    h, d, g, p, kb, vb = 3, 64, 32, 64, 4, 2
+    pool = [torch.zeros(5, h, p, d * kb // 8, dtype=torch.uint8), torch.zeros(5, h, p // g, d),
+            torch.zeros(5, h, p // g, d), torch.zeros(5, h, p, d * vb // 8, dtype=torch.uint8),
+            torch.zeros(5, h, p, d // g), torch.zeros(5, h, p, d // g)]
+    k = torch.randn(3, h, g, d)
+    v = torch.randn(3, h, g, d)
+    ref.quantize_and_write(k, v, torch.tensor([4, 4, 1]), torch.tensor([0, 32, 0]), *pool, kb, vb, g)
+    bt = torch.tensor([[4, -1], [1, -1]])
+    dk, dv = ref.dequantize_pages(bt, torch.tensor([64, 32]), *pool, kb, vb, g)
+    c, s, z = quant.quantize_keys(torch.cat([k[0], k[1]], 1), kb, g)
+    assert torch.allclose(dk[0], quant.dequantize_keys(c, s, z, g))
+    c, s, z = quant.quantize_values(v[2], vb, g)
+    assert torch.allclose(dv[1, :, :32], quant.dequantize_values(c, s, z, g))
+    assert (dk[1, :, 32:] == 0).all()
