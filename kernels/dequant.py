@@ -1,0 +1,153 @@
+"""In-register dequantization of page tiles, and dequantize_pages.
+
+The two ``@triton.jit`` helpers here are shared with the attention kernels:
+they read a block of ``BLOCK`` tokens of one page (``BLOCK`` divides the page
+and is a multiple of G) straight from the packed codes and return the
+dequantized ``[BLOCK, D]`` tile in fp32. Planar unpacking: channel ``d`` is
+byte ``d % (D // n)`` of its row, shifted by ``(d // (D // n)) * bits``.
+Scales and zeros are loaded once per group (keys: ``[BLOCK // G, 1, D]``;
+values: ``[BLOCK, D // G, 1]``) and broadcast in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting
+
+
+@triton.jit
+def _key_tile(kc_base, ks_base, kz_base, off, valid_groups, s_kct, s_ksg,
+              BLOCK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Keys of tokens ``off .. off + BLOCK`` of a page -> fp32 [BLOCK, D].
+
+    kc_base/ks_base/kz_base point at (page, head); ``valid_groups`` [BLOCK//G, 1, 1]
+    masks the scale/zero loads (masked groups dequantize to 0).
+    """
+    NG: tl.constexpr = BLOCK // G
+    N: tl.constexpr = 8 // BITS
+    DN: tl.constexpr = D // N
+    MASK: tl.constexpr = (1 << BITS) - 1
+    g3 = tl.arange(0, NG)[:, None, None]
+    t3 = tl.arange(0, G)[None, :, None]
+    d3 = tl.arange(0, D)[None, None, :]
+    raw = tl.load(kc_base + (off + g3 * G + t3) * s_kct + (d3 % DN)).to(tl.int32)
+    if N == 1:
+        c = raw
+    else:
+        c = (raw >> ((d3 // DN) * BITS)) & MASK
+    soff = (off // G + g3) * s_ksg + d3
+    s = tl.load(ks_base + soff, mask=valid_groups, other=0.0).to(tl.float32)
+    z = tl.load(kz_base + soff, mask=valid_groups, other=0.0).to(tl.float32)
+    k = c.to(tl.float32) * s + z
+    return tl.reshape(k, [BLOCK, D])
+
+
+@triton.jit
+def _value_tile(vc_base, vs_base, vz_base, off, valid_tok, s_vct, s_vst,
+                BLOCK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Values of tokens ``off .. off + BLOCK`` of a page -> fp32 [BLOCK, D].
+
+    ``valid_tok`` [BLOCK, 1, 1] masks the scale/zero loads (masked tokens are 0).
+    """
+    NGV: tl.constexpr = D // G
+    N: tl.constexpr = 8 // BITS
+    DN: tl.constexpr = D // N
+    MASK: tl.constexpr = (1 << BITS) - 1
+    t3 = tl.arange(0, BLOCK)[:, None, None]
+    g3 = tl.arange(0, NGV)[None, :, None]
+    j3 = tl.arange(0, G)[None, None, :]
+    dd = g3 * G + j3
+    raw = tl.load(vc_base + (off + t3) * s_vct + (dd % DN)).to(tl.int32)
+    if N == 1:
+        c = raw
+    else:
+        c = (raw >> ((dd // DN) * BITS)) & MASK
+    soff = (off + t3) * s_vst + g3
+    s = tl.load(vs_base + soff, mask=valid_tok, other=0.0).to(tl.float32)
+    z = tl.load(vz_base + soff, mask=valid_tok, other=0.0).to(tl.float32)
+    v = c.to(tl.float32) * s + z
+    return tl.reshape(v, [BLOCK, D])
+
+
+@triton.jit
+def _dequant_kernel(
+    bt_ptr, len_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ko_ptr, vo_ptr,
+    H, T, s_btb,
+    s_kcp, s_kch, s_kct, s_ksp, s_ksh, s_ksg,
+    s_vcp, s_vch, s_vct, s_vsp, s_vsh, s_vst,
+    s_ob, s_oh, s_ot,
+    P: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    KBITS: tl.constexpr, VBITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    b = pid // H
+    h = pid % H
+    length = tl.load(len_ptr + b).to(tl.int32)
+    has = start < length
+    page = tl.load(bt_ptr + b.to(tl.int64) * s_btb + start // P, mask=has, other=0).to(tl.int64)
+    page = tl.maximum(page, 0)
+    off = start % P
+    NG: tl.constexpr = BLOCK // G
+    gvalid = (start + tl.arange(0, NG) * G < length)[:, None, None]
+    tvalid = (start + tl.arange(0, BLOCK) < length)[:, None, None]
+    k = _key_tile(kc_ptr + page * s_kcp + h * s_kch, ks_ptr + page * s_ksp + h * s_ksh,
+                  kz_ptr + page * s_ksp + h * s_ksh, off, gvalid, s_kct, s_ksg, BLOCK, G, D, KBITS)
+    v = _value_tile(vc_ptr + page * s_vcp + h * s_vch, vs_ptr + page * s_vsp + h * s_vsh,
+                    vz_ptr + page * s_vsp + h * s_vsh, off, tvalid, s_vct, s_vst, BLOCK, G, D, VBITS)
+    tt = start + tl.arange(0, BLOCK)
+    ok = (tt < length)[:, None]
+    k = tl.where(ok, k, 0.0)
+    v = tl.where(ok, v, 0.0)
+    o = b.to(tl.int64) * s_ob + h * s_oh + tt[:, None] * s_ot + tl.arange(0, D)[None, :]
+    st = (tt < T)[:, None]
+    tl.store(ko_ptr + o, k.to(ko_ptr.dtype.element_ty), mask=st)
+    tl.store(vo_ptr + o, v.to(vo_ptr.dtype.element_ty), mask=st)
+
+
+def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                     key_bits: int, value_bits: int, group_size: int, max_len: int | None = None, *, out=None):
+    """Triton twin of :func:`kivi_cache.reference.dequantize_pages`.
+
+    Returns k, v ``[B, H, T, D]`` in the scale dtypes; zero at or past each length.
+    ``max_len=None`` reads ``lengths.max()`` (one device sync). ``out=(k, v)``
+    preallocated ``[B, H, T, D]`` outputs (last dim contiguous) are written in place if given.
+    """
+    b = block_table.shape[0]
+    _, h, p, _ = k_codes.shape
+    d = k_scale.shape[-1]
+    check_head_dim(d)
+    check_bits(key_bits, value_bits)
+    check_group(d, group_size, p)
+    t = int(lengths.max()) if (max_len is None and b > 0) else (max_len or 0)
+    if out is None:
+        k_out = torch.empty(b, h, t, d, dtype=k_scale.dtype, device=k_scale.device)
+        v_out = torch.empty(b, h, t, d, dtype=v_scale.dtype, device=v_scale.device)
+    else:
+        k_out, v_out = out
+        if tuple(k_out.shape) != (b, h, t, d) or tuple(v_out.shape) != (b, h, t, d):
+            raise ValueError(f"out tensors must be [B, H, T, D] = {(b, h, t, d)}")
+        if k_out.stride(-1) != 1 or v_out.stride(-1) != 1 or k_out.stride() != v_out.stride():
+            raise ValueError("out tensors must share strides and have a contiguous last dimension")
+    if b == 0 or t == 0 or h == 0:
+        return k_out, v_out
+    blk = block_tokens(p, group_size, 256 if interpreting() else 32)
+    lengths = lengths.contiguous()
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    grid = (b * h, triton.cdiv(t, blk))
+    _dequant_kernel[grid](
+        block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_out, v_out,
+        h, t, block_table.stride(0),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        P=p, G=group_size, D=d, BLOCK=blk, KBITS=key_bits, VBITS=value_bits,
+        num_warps=4,
+    )
+    return k_out, v_out

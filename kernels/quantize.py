@@ -1,0 +1,140 @@
+"""quantize_and_write: quantize N key/value groups and write them into their pages.
+
+One launch, grid ``(N, H)``: program ``(n, h)`` reads ``k[n, h]`` and
+``v[n, h]`` (``[G, D]`` each), computes min/max in fp32; zero = min rounded to
+nearest in the storage dtype S, scale = (max - zero) / qmax rounded *up* in S
+(as :func:`kivi_cache.quant.round_up_to`), and computes the codes from the *rounded* values
+(``floor((x - zero) / scale + 0.5)``, IEEE division, clamped; scale 0 gives
+code 0), packs them planar (see :mod:`kivi_cache.quant`) and writes codes,
+scales and zeros at ``(pages[n], slots[n])``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check_bits, check_group, check_head_dim
+
+
+@triton.jit
+def _pack_store(codes, dst, t2, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """codes int32 [G, D] -> planar bytes [G, D // n] stored at dst + t2 * stride + byte."""
+    N: tl.constexpr = 8 // BITS
+    DN: tl.constexpr = D // N
+    c3 = tl.reshape(codes, [G, N, DN])
+    sh = (tl.arange(0, N) * BITS)[None, :, None]
+    packed = tl.sum(c3 << sh, axis=1)  # [G, DN]
+    tl.store(dst + t2 + tl.arange(0, DN)[None, :], packed.to(tl.uint8))
+
+
+@triton.jit
+def _round_up(r, SDT: tl.constexpr, BUMP: tl.constexpr):
+    """Cast non-negative fp32 r to SDT rounding up (next representable value when the cast rounded down)."""
+    y = r.to(SDT)
+    if BUMP:
+        bumped = (y.to(tl.int16, bitcast=True) + 1).to(SDT, bitcast=True)
+        y = tl.where(y.to(tl.float32) < r, bumped, y)
+    return y
+
+
+@triton.jit
+def _quantize_write_kernel(
+    k_ptr, v_ptr, pages_ptr, slots_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    s_kn, s_kh, s_kt, s_vn, s_vh, s_vt,
+    s_kcp, s_kch, s_kct,
+    s_ksp, s_ksh, s_ksg,
+    s_vcp, s_vch, s_vct,
+    s_vsp, s_vsh, s_vst,
+    G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(pages_ptr + n).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    KQ: tl.constexpr = (1 << KBITS) - 1
+    VQ: tl.constexpr = (1 << VBITS) - 1
+    sdt_k = ks_ptr.dtype.element_ty
+    sdt_v = vs_ptr.dtype.element_ty
+
+    # ---- keys: per channel over the G tokens
+    t = tl.arange(0, G)[:, None]
+    d = tl.arange(0, D)[None, :]
+    x = tl.load(k_ptr + n.to(tl.int64) * s_kn + h * s_kh + t * s_kt + d).to(tl.float32)
+    zero = tl.min(x, axis=0).to(sdt_k)
+    zf = zero.to(tl.float32)
+    span = tl.maximum(tl.max(x, axis=0) - zf, 0.0)
+    scale = _round_up(tl.math.div_rn(span, tl.full(span.shape, KQ, tl.float32)), sdt_k, BUMP_K)
+    s = scale.to(tl.float32)[None, :]
+    z = zf[None, :]
+    pos = s > 0
+    q = tl.math.div_rn(x - z, tl.where(pos, s, 1.0))
+    q = tl.where(pos, tl.floor(q + 0.5), 0.0)
+    codes = tl.minimum(tl.maximum(q, 0.0), KQ).to(tl.int32)
+    ks_off = page * s_ksp + h * s_ksh + (slot // G) * s_ksg + tl.arange(0, D)
+    tl.store(ks_ptr + ks_off, scale)
+    tl.store(kz_ptr + ks_off, zero)
+    _pack_store(codes, kc_ptr + page * s_kcp + h * s_kch, (slot + t) * s_kct, G, D, KBITS)
+
+    # ---- values: per token over groups of G channels; tile [G tokens, D // G groups, G channels]
+    NGV: tl.constexpr = D // G
+    t3 = tl.arange(0, G)[:, None, None]
+    g3 = tl.arange(0, NGV)[None, :, None]
+    j3 = tl.arange(0, G)[None, None, :]
+    y = tl.load(v_ptr + n.to(tl.int64) * s_vn + h * s_vh + t3 * s_vt + g3 * G + j3).to(tl.float32)
+    vzero = tl.min(y, axis=2).to(sdt_v)
+    vzf = vzero.to(tl.float32)
+    vspan = tl.maximum(tl.max(y, axis=2) - vzf, 0.0)
+    vscale = _round_up(tl.math.div_rn(vspan, tl.full(vspan.shape, VQ, tl.float32)), sdt_v, BUMP_V)
+    vs = vscale.to(tl.float32)[:, :, None]
+    vz = vzf[:, :, None]
+    vpos = vs > 0
+    r = tl.math.div_rn(y - vz, tl.where(vpos, vs, 1.0))
+    r = tl.where(vpos, tl.floor(r + 0.5), 0.0)
+    vcodes = tl.minimum(tl.maximum(r, 0.0), VQ).to(tl.int32)
+    t2 = tl.arange(0, G)[:, None]
+    vs_off = page * s_vsp + h * s_vsh + (slot + t2) * s_vst + tl.arange(0, NGV)[None, :]
+    tl.store(vs_ptr + vs_off, vscale)
+    tl.store(vz_ptr + vs_off, vzero)
+    _pack_store(tl.reshape(vcodes, [G, D]), vc_ptr + page * s_vcp + h * s_vch, (slot + t2) * s_vct, G, D, VBITS)
+
+
+def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                       key_bits: int, value_bits: int, group_size: int) -> None:
+    """Triton twin of :func:`kivi_cache.reference.quantize_and_write` (same arguments, in place).
+
+    k, v: ``[N, H, G, D]`` (last dim contiguous); pool tensors with a contiguous
+    last dim (other strides are passed to the kernel).
+    """
+    n, h, g, d = k.shape
+    if n == 0:
+        return
+    check_head_dim(d)
+    check_bits(key_bits, value_bits)
+    check_group(d, group_size, k_codes.shape[2])
+    if g != group_size or tuple(v.shape) != (n, h, g, d):
+        raise ValueError(f"k and v must be [N, H, group_size={group_size}, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
+        if t.stride(-1) != 1:
+            raise ValueError("pool tensors must have a contiguous last dimension")
+    pages = pages.contiguous()
+    slots = slots.contiguous()
+    _quantize_write_kernel[(n, h)](
+        k, v, pages, slots,
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
+        BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
+        num_warps=4,
+    )

@@ -1,0 +1,292 @@
+"""Triton kernels vs the torch reference (kivi_cache.reference).
+
+Runs under the Triton interpreter on CPU (tests/conftest.py sets
+TRITON_INTERPRET=1); with KIVI_TEST_GPU=1 the same tests run on the CUDA device.
+Shapes are tiny so the interpreter finishes in a couple of minutes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kivi_cache import kernels as K
+from kivi_cache import reference as R
+from kivi_cache.quant import qmax, unpack
+
+ON_GPU = os.environ.get("KIVI_TEST_GPU") == "1" and torch.cuda.is_available()
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+BITS = [(2, 2), (4, 4), (8, 8), (2, 4)]
+MAX_ERR: dict = {}
+
+
+def rel_err(out, ref, tag):
+    out, ref = out.double(), ref.double()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    MAX_ERR[tag] = max(MAX_ERR.get(tag, 0.0), err)
+    print(f"[{tag}] rel err {err:.2e}")
+    return err
+
+
+def make_pool(np_, h, p, d, g, kb, vb, dtype, gen=None):
+    """A pool of random codes with scales giving values of order 1."""
+    kc = torch.randint(0, 256, (np_, h, p, d * kb // 8), dtype=torch.uint8, device=DEV)
+    vc = torch.randint(0, 256, (np_, h, p, d * vb // 8), dtype=torch.uint8, device=DEV)
+    ks = (torch.rand(np_, h, p // g, d, device=DEV) * 3 / qmax(kb)).to(dtype)
+    kz = (torch.randn(np_, h, p // g, d, device=DEV) - 1.5).to(dtype)
+    vs = (torch.rand(np_, h, p, d // g, device=DEV) * 3 / qmax(vb)).to(dtype)
+    vz = (torch.randn(np_, h, p, d // g, device=DEV) - 1.5).to(dtype)
+    return kc, ks, kz, vc, vs, vz
+
+
+def make_block_table(lengths, p, width=None):
+    """Distinct random pages per sequence; -1 in unused entries."""
+    need = [-(-int(n) // p) for n in lengths]
+    width = width or max(1, max(need))
+    total = sum(need)
+    perm = torch.randperm(total + 3)
+    bt = torch.full((len(lengths), width), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[i:i + n].to(torch.int32)
+        i += n
+    return bt.to(DEV), total + 3
+
+
+def decode_case(bsz, hkv, grp, d, p, g, kb, vb, dtype, lengths, res_lengths, c=None, width=None):
+    lengths = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    bt, np_ = make_block_table(lengths.tolist(), p, width)
+    pool = make_pool(np_, hkv, p, d, g, kb, vb, dtype)
+    c = c or max(1, max(res_lengths))
+    res_k = torch.randn(bsz, hkv, c, d, device=DEV).to(dtype)
+    res_v = torch.randn(bsz, hkv, c, d, device=DEV).to(dtype)
+    rl = torch.tensor(res_lengths, dtype=torch.int32, device=DEV)
+    q = torch.randn(bsz, hkv * grp, d, device=DEV).to(dtype)
+    return (q, bt, lengths, *pool, res_k, res_v, rl, kb, vb, g, 1.0 / math.sqrt(d))
+
+
+def run_decode(args, tag, **kw):
+    q = args[0]
+    out = torch.full_like(q, float("nan"))
+    got = K.paged_decode_attention(*args, out=out, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(out).all(), "decode left unwritten (NaN) outputs"
+    ref = R.paged_decode_attention(*args)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    err = rel_err(out, ref, tag)
+    assert err < TOL[q.dtype], f"{tag}: relative error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------- misc
+
+def test_available():
+    assert K.available()
+
+
+def test_head_dim_rejected():
+    d = 96
+    pool = make_pool(2, 1, 32, d, 32, 4, 4, torch.float16)
+    q = torch.randn(1, 1, d, device=DEV, dtype=torch.float16)
+    res = torch.randn(1, 1, 4, d, device=DEV, dtype=torch.float16)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="head_dim"):
+        K.paged_decode_attention(q, bt, one * 32, *pool, res, res, one, 4, 4, 32, 0.1)
+    kv = torch.randn(1, 1, 32, d, device=DEV, dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim"):
+        K.quantize_and_write(kv, kv, one, one * 0, *pool, 4, 4, 32)
+
+
+# ----------------------------------------------------------------------------- quantize_and_write
+
+def _check_quantized(pool_k, pool_r, kb, vb, g, pages, slots, tag):
+    kc_k, ks_k, kz_k, vc_k, vs_k, vz_k = pool_k
+    kc_r, ks_r, kz_r, vc_r, vs_r, vz_r = pool_r
+    # scales and zeros: identical computation -> identical values (NaN poison everywhere else too)
+    for a, b_ in ((ks_k, ks_r), (kz_k, kz_r), (vs_k, vs_r), (vz_k, vz_r)):
+        assert torch.equal(a.isnan(), b_.isnan()), f"{tag}: scale/zero written at the wrong places"
+        torch.testing.assert_close(a.nan_to_num(), b_.nan_to_num(), rtol=0, atol=0)
+    # codes: exact except at rounding ties (off by one step)
+    for cb, bits, a, b_ in ((kb, kb, kc_k, kc_r), (vb, vb, vc_k, vc_r)):
+        ua, ub = unpack(a, bits).int(), unpack(b_, bits).int()
+        diff = (ua - ub).abs()
+        assert diff.max() <= 1, f"{tag}: code differs by more than one step"
+        frac = (diff == 0).double().mean().item()
+        assert frac > 0.999, f"{tag}: only {frac:.5f} of codes match"
+
+
+@pytest.mark.parametrize("kb,vb", BITS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_quantize_and_write(kb, vb, dtype):
+    n, h, g, d, p, np_ = 5, 2, 32, 64, 64, 6
+    k = torch.randn(n, h, g, d, device=DEV).to(dtype) * 2
+    v = torch.randn(n, h, g, d, device=DEV).to(dtype)
+    k[1, 0, :, 3] = 0.75  # constant key channel -> scale 0, codes 0
+    v[2, 1, 5, :] = -1.25  # constant value groups
+    pages = torch.tensor([0, 3, 3, 5, 1], device=DEV)
+    slots = torch.tensor([32, 0, 32, 0, 32], device=DEV)
+    base = make_pool(np_, h, p, d, g, kb, vb, dtype)
+    base = tuple(t.fill_(float("nan")) if t.is_floating_point() else t for t in base)
+    pool_k = tuple(t.clone() for t in base)
+    pool_r = tuple(t.clone() for t in base)
+    K.quantize_and_write(k, v, pages, slots, *pool_k, kb, vb, g)
+    R.quantize_and_write(k, v, pages, slots, *pool_r, kb, vb, g)
+    _check_quantized(pool_k, pool_r, kb, vb, g, pages, slots, f"quant {kb}/{vb} {dtype}")
+    # round trip through the kernels' own dequantization: within half a step (+ rounding)
+    bt = torch.tensor([[3, 5]], device=DEV, dtype=torch.int32)  # fully written: page 3, first group of page 5
+    n_tok = torch.tensor([96], device=DEV)
+    kk, vv = K.dequantize_pages(bt, n_tok, *pool_k, kb, vb, g)
+    kr, vr = R.dequantize_pages(bt, n_tok, *pool_r, kb, vb, g)
+    assert torch.isfinite(kk).all() and torch.isfinite(vv).all()
+    orig_k = torch.cat([k[1], k[2], k[3]], dim=1)[None].float()  # [1, H, 96, D]
+    step = kr.float().sub(kk.float()).abs().max().item()
+    rel_err(kk.float(), orig_k, f"quant-roundtrip-k {kb}b {dtype}")
+    # within one quantization step of the reference dequantization
+    assert step <= pool_r[1][3].float().max().item() * 1.01 + 1e-3 or step <= pool_r[1][5, :, 0].float().max().item() * 1.01
+
+
+def test_quantize_and_write_empty():
+    pool = make_pool(2, 1, 32, 64, 32, 4, 4, torch.float16)
+    snap = [t.clone() for t in pool]
+    e = torch.zeros(0, 1, 32, 64, device=DEV, dtype=torch.float16)
+    K.quantize_and_write(e, e, torch.zeros(0, device=DEV, dtype=torch.long), torch.zeros(0, device=DEV, dtype=torch.long),
+                         *pool, 4, 4, 32)
+    for a, b_ in zip(pool, snap):
+        assert torch.equal(a.nan_to_num(), b_.nan_to_num())
+
+
+# ----------------------------------------------------------------------------- dequantize_pages
+
+@pytest.mark.parametrize("kb,vb", BITS)
+def test_dequantize_pages(kb, vb):
+    g, p, d, h = 32, 64, 64, 2
+    lengths = torch.tensor([96, 0, 160], device=DEV)  # not page multiples, and an empty sequence
+    bt, np_ = make_block_table(lengths.tolist(), p, width=4)
+    pool = make_pool(np_, h, p, d, g, kb, vb, torch.float16)
+    for max_len in (None, 200):
+        ref = R.dequantize_pages(bt, lengths, *pool, kb, vb, g, max_len=max_len)
+        t = ref[0].shape[2]
+        out = (torch.full((3, h, t, d), float("nan"), device=DEV, dtype=torch.float16),
+               torch.full((3, h, t, d), float("nan"), device=DEV, dtype=torch.float16))
+        got = K.dequantize_pages(bt, lengths, *pool, kb, vb, g, max_len=max_len, out=out)
+        for a, b_ in zip(got, ref):
+            assert torch.isfinite(a).all()
+            assert a.dtype == b_.dtype and a.shape == b_.shape
+            torch.testing.assert_close(a.float(), b_.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_dequantize_pages_fp32_scales():
+    g, p, d, h = 32, 32, 64, 1
+    lengths = torch.tensor([64, 32], device=DEV)
+    bt, np_ = make_block_table(lengths.tolist(), p)
+    pool = make_pool(np_, h, p, d, g, 4, 2, torch.float32)
+    got = K.dequantize_pages(bt, lengths, *pool, 4, 2, g)
+    ref = R.dequantize_pages(bt, lengths, *pool, 4, 2, g)
+    for a, b_ in zip(got, ref):
+        torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+@pytest.mark.parametrize("kb,vb", BITS)
+@pytest.mark.parametrize("grp", [1, 4])
+def test_decode_bits_gqa(kb, vb, grp):
+    args = decode_case(2, 2, grp, 64, 64, 32, kb, vb, torch.float16, [96, 160], [5, 17])
+    run_decode(args, f"decode fp16 {kb}/{vb} grp{grp}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_dtypes(dtype):
+    args = decode_case(2, 1, 2, 64, 32, 32, 4, 2, dtype, [64, 128], [3, 31])
+    run_decode(args, f"decode {dtype}")
+
+
+def test_decode_gqa8_and_page32():
+    args = decode_case(1, 2, 8, 64, 32, 32, 4, 4, torch.float16, [160], [7])
+    run_decode(args, "decode grp8 page32")
+
+
+@pytest.mark.parametrize("case", ["no_quant", "no_residual", "mixed", "one_empty"])
+def test_decode_edge_lengths(case):
+    lengths, res = {
+        "no_quant": ([0, 0], [3, 30]),
+        "no_residual": ([96, 32], [0, 0]),
+        "mixed": ([0, 128], [9, 0]),
+        "one_empty": ([160, 0], [1, 2]),
+    }[case]
+    args = decode_case(2, 2, 2, 64, 64, 32, 4, 4, torch.float16, lengths, res, c=32)
+    run_decode(args, f"decode {case}")
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_num_splits(splits):
+    # more splits than pages leaves empty splits; a wide block table with -1 padding
+    args = decode_case(2, 1, 4, 64, 32, 32, 2, 4, torch.float32, [96, 224], [4, 0], width=9)
+    run_decode(args, f"decode splits{splits}", num_splits=splits)
+
+
+def test_decode_head_dim_128():
+    args = decode_case(1, 1, 2, 128, 64, 64, 4, 2, torch.float16, [128], [6])
+    run_decode(args, "decode d128 g64")
+
+
+def test_decode_group_16_page_48():
+    # page size that is not a power of two (48 = 3 groups of 16)
+    args = decode_case(2, 1, 2, 64, 48, 16, 4, 4, torch.float16, [80, 144], [2, 5])
+    run_decode(args, "decode g16 page48")
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    bsz=st.integers(1, 3),
+    hkv=st.integers(1, 2),
+    grp=st.sampled_from([1, 2, 4]),
+    bits=st.sampled_from(BITS),
+    page_groups=st.sampled_from([1, 2]),
+    data=st.data(),
+)
+def test_decode_hypothesis(bsz, hkv, grp, bits, page_groups, data):
+    g = 32
+    p = g * page_groups
+    lengths = data.draw(st.lists(st.integers(0, 5), min_size=bsz, max_size=bsz))
+    lengths = [n * g for n in lengths]
+    res = data.draw(st.lists(st.integers(0, 40), min_size=bsz, max_size=bsz))
+    if all(n == 0 for n in lengths) and all(r == 0 for r in res):
+        res[0] = 1
+    for b in range(bsz):
+        if lengths[b] == 0 and res[b] == 0:
+            res[b] = 1  # a sequence with no token at all has no defined attention
+    args = decode_case(bsz, hkv, grp, 64, p, g, bits[0], bits[1], torch.float16, lengths, res, c=40)
+    run_decode(args, "decode hypothesis")
+
+
+# ----------------------------------------------------------------------------- prefix attention
+
+@pytest.mark.parametrize("dtype,kb,vb", [(torch.float16, 4, 2), (torch.float32, 8, 4)])
+def test_prefix_attention(dtype, kb, vb):
+    bsz, hkv, grp, d, p, g, ql = 2, 2, 2, 64, 32, 32, 5
+    args = decode_case(bsz, hkv, grp, d, p, g, kb, vb, dtype, [96, 0], [4, 9], c=16)
+    q = torch.randn(bsz, hkv * grp, ql, d, device=DEV).to(dtype)
+    new_k = torch.randn(bsz, hkv, ql, d, device=DEV).to(dtype)
+    new_v = torch.randn(bsz, hkv, ql, d, device=DEV).to(dtype)
+    mask = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV))[None].repeat(bsz, 1, 1)
+    mask[1, :, 0] = False  # left padding of the second sequence
+    mask[1, 0, 0] = True
+    pa = (q, *args[1:12], new_k, new_v, mask, kb, vb, g, args[15])
+    ref = R.paged_prefix_attention(*pa)
+    for chunk in (None, 32):
+        out = K.paged_prefix_attention(*pa, chunk_tokens=chunk)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert torch.isfinite(out).all()
+        err = rel_err(out, ref, f"prefix {dtype}")
+        assert err < TOL[dtype]
+
+
+def test_zz_report_max_errors():
+    print("max relative errors:", {k: f"{v:.2e}" for k, v in sorted(MAX_ERR.items())})
