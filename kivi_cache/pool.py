@@ -25,7 +25,8 @@ class PagePool:
         self.capacity = 0
         self.refcount: list[int] = []
         self.free: list[int] = []
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors = {name: torch.zeros((0, *shape), dtype=dt, device=device)
+                        for name, (shape, dt) in self._page_shapes().items()}
         self._grow(cfg.num_pages)
 
     # shapes of one page of each tensor (see reference.py)
@@ -47,8 +48,7 @@ class PagePool:
         extra = new_capacity - self.capacity
         for name, (shape, dtype) in self._page_shapes().items():
             fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.device)
-            old = self.tensors.get(name)
-            self.tensors[name] = fresh if old is None else torch.cat([old, fresh])
+            self.tensors[name] = torch.cat([self.tensors[name], fresh])
         # hand out low page ids first
         self.free.extend(range(new_capacity - 1, self.capacity - 1, -1))
         self.refcount.extend([0] * extra)

@@ -1,0 +1,44 @@
+"""Tiny random models for the cache tests (no download)."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+
+def tiny_llama(attn="sdpa", layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024,
+                      attn_implementation=attn)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(attn="sdpa", layers=2, seed=0):
+    """Grouped-query attention: 8 query heads share 2 KV heads."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      attn_implementation=attn)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+# small groups and residual so a few dozen tokens already exercise pages and flushes
+SMALL = dict(group_size=16, residual_length=16, page_size=32)
+
+
+def decisive_prompt(model, length, new_tokens=32, margin=0.02, batch=1, tries=40, seed=0):
+    """A random prompt whose greedy continuation (full-precision DynamicCache) never has a near-tie:
+    at every step the top logit beats the runner-up by at least ``margin``. Chosen from the reference
+    alone, so a cache that changes the tokens still fails."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(tries):
+        ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=gen)
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        top2 = torch.stack(out.logits).topk(2, dim=-1).values
+        if (top2[..., 0] - top2[..., 1]).min() > margin:
+            return ids
+    raise RuntimeError("no decisive prompt found")

@@ -1,0 +1,304 @@
+"""QuantizedPagedCache against transformers' DynamicCache on tiny random models."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kivi_cache import QuantizedPagedCache, cache_kwargs, quant
+from models import SMALL, decisive_prompt, tiny_llama, tiny_qwen2
+
+GEN = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+
+
+def gen(model, ids, cache, attention_mask=None, **kw):
+    args = dict(GEN, **kw)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=attention_mask, **cache_kwargs(model, cache), **args)
+
+
+def stepwise_logits(model, ids, cache, prefill):
+    """Prefill ``prefill`` tokens, then feed the rest one at a time; logits for every position."""
+    with torch.no_grad():
+        out = [model(ids[:, :prefill], **cache_kwargs(model, cache)).logits]
+        for t in range(prefill, ids.shape[1]):
+            out.append(model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+@pytest.mark.parametrize("kw", [SMALL, dict(group_size=32, residual_length=32, page_size=64)])
+def test_int8_greedy_tokens_equal_dynamic_cache(make, kw):
+    model = make()
+    ids = decisive_prompt(model, 70, margin=0.005)
+    ref = gen(model, ids, DynamicCache())
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **kw)
+    out = gen(model, ids, cache)
+    assert cache.memory_report().quantized_tokens > 0  # pages were really used
+    assert torch.equal(out, ref)
+
+
+# relative logit error over 80 decode steps, measured on these models (see eval/NOTES.md):
+# llama int8 9.5e-4, int4 1.7e-2, int2 8.3e-2; qwen2 int8 1.5e-3, int4 3.1e-2, int2 1.2e-1
+BOUNDS = {8: 5e-3, 4: 6e-2, 2: 2.5e-1}
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+def test_logit_error_bounded_and_ordered_by_bits(make):
+    model = make()
+    ids = torch.randint(0, 128, (2, 120))
+    with torch.no_grad():
+        full = model(ids).logits
+    errs = {}
+    for bits in (8, 4, 2):
+        logits = stepwise_logits(model, ids, QuantizedPagedCache(key_bits=bits, value_bits=bits, **SMALL), 40)
+        errs[bits] = float((logits - full).norm() / full.norm())
+        assert errs[bits] < BOUNDS[bits], (bits, errs[bits])
+    assert errs[8] < errs[4] < errs[2]
+    assert errs[8] > 0
+
+
+def test_full_precision_cache_path_is_exact_before_any_flush():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 60))
+    with torch.no_grad():
+        full = model(ids).logits
+    logits = stepwise_logits(model, ids, QuantizedPagedCache(key_bits=2, value_bits=2, residual_length=128), 20)
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kb,vb", [(4, 4), (2, 4), (2, 2)])
+def test_stored_history_is_fake_quantized_original(kb, vb):
+    """Pages hold exactly quantize->dequantize of the keys/values a DynamicCache holds; the window holds them raw."""
+    model = tiny_qwen2()
+    ids = torch.randint(0, 128, (1, 75))
+    dyn = DynamicCache()
+    cache = QuantizedPagedCache(key_bits=kb, value_bits=vb, **SMALL)
+    stepwise_logits(model, ids, dyn, 33)
+    stepwise_logits(model, ids, cache, 33)
+    layer = cache.layers[0]  # the first layer's keys do not depend on earlier quantized attention
+    k_ref, v_ref = dyn.layers[0].keys, dyn.layers[0].values
+    k, v = layer._stored_layout(layer.seen)
+    q = layer.q_lens[0]
+    assert q == 48 and layer.r_lens[0] == 27  # 75 = 48 quantized + 27 (R=16 .. R+G-1=31)
+    g = SMALL["group_size"]
+    fake_k = quant.dequantize_keys(*quant.quantize_keys(k_ref[:, :, :q], kb, g), g)
+    fake_v = quant.dequantize_values(*quant.quantize_values(v_ref[:, :, :q], vb, g), g)
+    torch.testing.assert_close(k[:, :, :q], fake_k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(v[:, :, :q], fake_v, rtol=0, atol=1e-6)
+    assert torch.equal(k[:, :, q:], k_ref[:, :, q:]) and torch.equal(v[:, :, q:], v_ref[:, :, q:])
+
+
+def test_residual_window_invariant_over_many_steps():
+    model = tiny_llama(layers=1)
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    ids = torch.randint(0, 128, (1, 5))
+    stepwise_logits(model, torch.randint(0, 128, (1, 100)), cache, 5)
+    layer = cache.layers[0]
+    r, g = SMALL["residual_length"], SMALL["group_size"]
+    assert r <= layer.r_lens[0] < r + g and layer.q_lens[0] % g == 0
+    assert layer.q_lens[0] + layer.r_lens[0] == 100 == cache.get_seq_length()
+    del ids
+
+
+@pytest.mark.parametrize("attn", ["eager", "kivi"])
+def test_other_attention_implementations_stay_correct(attn):
+    model = tiny_llama(attn=attn)
+    ids = torch.randint(0, 128, (1, 70))
+    ref = gen(model, ids, DynamicCache())
+    assert torch.equal(gen(model, ids, QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)), ref)
+
+
+def test_named_and_default_paths_agree_at_4_bits():
+    ids = torch.randint(0, 128, (1, 70))
+    outs = [gen(tiny_llama(attn=a), ids, QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL))
+            for a in ("sdpa", "kivi", "eager")]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_beam_search_matches_dynamic_cache_at_8_bits():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 50))
+    kw = dict(num_beams=3, max_new_tokens=24, min_new_tokens=24)
+    ref = gen(model, ids, DynamicCache(), **kw)
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    out = gen(model, ids, cache, **kw)
+    assert torch.equal(out, ref)
+    layer = cache.layers[0]
+    # beams share pages: fewer pages in use than 3 private copies would need
+    private = sum(-(-q // SMALL["page_size"]) for q in layer.q_lens)
+    assert layer.pool.pages_in_use <= private
+
+
+def _left_pad(prompts, pad_id=0):
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad_id)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):] = torch.tensor(p)
+        mask[i, n - len(p):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_padded_batch_gives_same_tokens_as_alone(bits):
+    model = tiny_qwen2()
+    prompts = [torch.randint(1, 128, (n,)).tolist() for n in (37, 70, 51)]
+    ids, mask = _left_pad(prompts)
+    cache = QuantizedPagedCache(key_bits=bits, value_bits=bits, **SMALL)
+    batch = gen(model, ids, cache, attention_mask=mask)
+    assert cache.layers[0].pads == [33, 0, 19]  # pad tokens were not stored
+    for i, p in enumerate(prompts):
+        alone = gen(model, torch.tensor([p]), QuantizedPagedCache(key_bits=bits, value_bits=bits, **SMALL))
+        assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(p):]), i
+
+
+def test_continued_generation_chunk_over_quantized_past():
+    """A second generate call feeds a multi-token chunk on top of a filled cache (paged prefix attention)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 60))
+    dyn, cache = DynamicCache(), QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    a_ref, a = gen(model, ids, dyn), gen(model, ids, cache)
+    assert torch.equal(a, a_ref)
+    more = torch.randint(0, 128, (1, 9))
+    b_ref = gen(model, torch.cat([a_ref, more], 1), dyn)
+    b = gen(model, torch.cat([a, more], 1), cache)
+    assert torch.equal(b, b_ref)
+
+
+def test_chunked_prefill_matches_single_prefill_logits():
+    model = tiny_qwen2()
+    ids = torch.randint(0, 128, (2, 90))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+        parts = [model(ids[:, s:s + 30], **cache_kwargs(model, cache)).logits for s in (0, 30, 60)]
+    err = (torch.cat(parts, 1) - full).norm() / full.norm()
+    assert err < BOUNDS[8]
+
+
+def test_assisted_decoding_with_crop():
+    model = tiny_llama()
+    assistant = tiny_llama(seed=1)
+    ids = torch.randint(0, 128, (1, 60))
+    ref = gen(model, ids, DynamicCache())
+    out = gen(model, ids, QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL), assistant_model=assistant)
+    assert torch.equal(out, ref)
+
+
+def test_crop_within_residual_equals_never_having_seen_the_tokens():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 80))
+    a = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    b = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    stepwise_logits(model, ids[:, :78], a, 40)  # 48 quantized + 30 in the window
+    stepwise_logits(model, ids[:, :75], b, 40)  # 48 quantized + 27
+    a.crop(-3)
+    assert a.get_seq_length() == b.get_seq_length() == 75
+    assert a.layers[0].q_lens == b.layers[0].q_lens == [48]
+    nxt = ids[:, 75:76]
+    with torch.no_grad():
+        la = model(nxt, **cache_kwargs(model, a)).logits
+        lb = model(nxt, **cache_kwargs(model, b)).logits
+    assert torch.equal(la, lb)
+
+
+def test_crop_into_pages_releases_them_and_keeps_working():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 130))
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    stepwise_logits(model, ids, cache, 40)
+    layer = cache.layers[0]
+    used = layer.pool.pages_in_use
+    cache.crop(-70)
+    assert cache.get_seq_length() == 60
+    assert layer.q_lens[0] + layer.r_lens[0] == 60 and layer.q_lens[0] % 16 == 0
+    assert layer.pool.pages_in_use < used
+    cache.crop(50)  # legacy form: keep the first 50
+    assert cache.get_seq_length() == 50
+    with torch.no_grad():
+        dyn = DynamicCache()
+        model(ids[:, :50], **cache_kwargs(model, dyn))
+        ref = model(ids[:, 50:52], **cache_kwargs(model, dyn)).logits
+        got = model(ids[:, 50:52], **cache_kwargs(model, cache)).logits
+    assert (got - ref).norm() / ref.norm() < BOUNDS[8]
+
+
+def test_batch_select_indices_matches_cache_built_from_those_rows():
+    model = tiny_qwen2()
+    ids = torch.randint(0, 128, (3, 70))
+    full = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    stepwise_logits(model, ids, full, 30)
+    full.batch_select_indices(torch.tensor([2, 0]))
+    part = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    stepwise_logits(model, ids[[2, 0]], part, 30)
+    nxt = torch.randint(0, 128, (2, 1))
+    with torch.no_grad():
+        a = model(nxt, **cache_kwargs(model, full)).logits
+        b = model(nxt, **cache_kwargs(model, part)).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert full.batch_size == 2
+
+
+def test_pages_are_reused_and_pool_does_not_grow_past_live_tokens():
+    model = tiny_llama(layers=1)
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    ids = torch.randint(0, 128, (4, 300))
+    stepwise_logits(model, ids[:, :200], cache, 100)
+    layer = cache.layers[0]
+    cap = layer.pool.capacity
+    cache.batch_select_indices(torch.tensor([1]))  # three sequences leave: their pages go back to the pool
+    freed = len(layer.pool.free)
+    assert freed >= 3 * (layer.q_lens[0] // SMALL["page_size"])
+    cache.reset()
+    assert layer.pool.pages_in_use == 0
+    stepwise_logits(model, ids, cache, 100)  # 4 x 300 tokens: needs more than before, reuses first
+    need = 4 * -(-layer.q_lens[0] // SMALL["page_size"])
+    assert layer.pool.pages_in_use == need
+    assert layer.pool.capacity <= max(cap, 2 * need)
+
+
+def test_preallocated_pool_does_not_grow():
+    model = tiny_llama(layers=1)
+    cache = QuantizedPagedCache(key_bits=2, value_bits=2, num_pages=8, **SMALL)
+    stepwise_logits(model, torch.randint(0, 128, (2, 150)), cache, 50)
+    assert cache.layers[0].pool.capacity == 8 and cache.layers[0].pool.pages_in_use == 8
+
+
+def test_memory_report_counts_bytes_exactly():
+    model = tiny_llama(layers=2)
+    cache = QuantizedPagedCache(key_bits=2, value_bits=4, **SMALL)
+    stepwise_logits(model, torch.randint(0, 128, (2, 100)), cache, 40)
+    rep = cache.memory_report()
+    layer = cache.layers[0]
+    q, r = sum(layer.q_lens), sum(layer.r_lens)
+    h, d, g = 4, 32, 16
+    assert rep.quantized_tokens == 2 * q and rep.residual_tokens == 2 * r
+    assert rep.codes == 2 * q * h * d * (2 + 4) // 8
+    assert rep.scales == rep.zeros == 2 * (q // g * h * d + q * h * (d // g)) * 4  # fp32 model
+    assert rep.residual == 2 * 2 * r * h * d * 4
+    assert rep.fp16_equivalent == 2 * 2 * (q + r) * h * d * 2
+    assert rep.allocated == rep.live + rep.pool_slack and rep.pool_slack >= 0
+    assert rep.compression == pytest.approx(rep.fp16_equivalent / rep.live)
+    assert "compression" in str(rep)
+
+
+def test_handles_materialize_for_user_code():
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    k = torch.randn(1, 2, 40, 32)
+    v = torch.randn(1, 2, 40, 32)
+    kh, vh = cache.update(k, v, 0)
+    assert kh.shape == (1, 2, 40, 32) and cache.get_seq_length() == 40
+    torch.testing.assert_close(kh + 0, k)  # a chunk attends to itself in full precision
+    k2 = torch.randn(1, 2, 1, 32)
+    kh2, _ = cache.update(k2, k2, 0)
+    got = kh2 * 1
+    assert got.shape == (1, 2, 41, 32)
+    assert torch.equal(got[:, :, -1:], k2)
+    assert (got[:, :, :32] - k[:, :, :32]).abs().max() < 0.05  # quantized part (8-bit)
+
+
+def test_update_rejects_mismatched_shapes():
+    cache = QuantizedPagedCache(**SMALL)
+    cache.update(torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 32), 0)
+    with pytest.raises(ValueError, match="do not match the cache"):
+        cache.update(torch.randn(3, 2, 1, 32), torch.randn(3, 2, 1, 32), 0)
