@@ -39,9 +39,19 @@ def pow2_divisor(n: int) -> int:
 
 
 def block_tokens(page_size: int, group_size: int, cap: int) -> int:
-    """Tokens per kernel iteration: a power of two that divides the page and is a multiple of G."""
-    blk = min(pow2_divisor(page_size), cap)
-    return max(blk, group_size)
+    """Tokens per kernel iteration: a power of two that divides the page and is a multiple of G.
+
+    On a GPU, tiles of fewer than 32 tokens gave wrong results (seen on an H200 with
+    Triton 3.6 for page sizes 16 and 48), so there the largest power of two dividing
+    the page size must be >= 32 (page sizes 32, 64, 96, 128, ...); else ValueError.
+    """
+    blk = max(min(pow2_divisor(page_size), cap), group_size)
+    if blk < 32 and not interpreting():
+        raise ValueError(
+            f"page_size={page_size} with group_size={group_size} needs {blk}-token tiles; the GPU kernels "
+            f"need page_size divisible by 32 (e.g. 64)"
+        )
+    return blk
 
 
 _SM_COUNT: dict = {}

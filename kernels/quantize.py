@@ -49,7 +49,7 @@ def _quantize_write_kernel(
     s_vcp, s_vch, s_vct,
     s_vsp, s_vsh, s_vst,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr,
+    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr, RECIP: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -67,7 +67,11 @@ def _quantize_write_kernel(
     zero = tl.min(x, axis=0).to(sdt_k)
     zf = zero.to(tl.float32)
     span = tl.maximum(tl.max(x, axis=0) - zf, 0.0)
-    scale = _round_up(tl.math.div_rn(span, tl.full(span.shape, KQ, tl.float32)), sdt_k, BUMP_K)
+    if RECIP:  # torch on CUDA divides by a scalar as a multiply by its fp32 reciprocal
+        kr = span * (1.0 / KQ)
+    else:
+        kr = tl.math.div_rn(span, tl.full(span.shape, KQ, tl.float32))
+    scale = _round_up(kr, sdt_k, BUMP_K)
     s = scale.to(tl.float32)[None, :]
     z = zf[None, :]
     pos = s > 0
@@ -88,7 +92,11 @@ def _quantize_write_kernel(
     vzero = tl.min(y, axis=2).to(sdt_v)
     vzf = vzero.to(tl.float32)
     vspan = tl.maximum(tl.max(y, axis=2) - vzf, 0.0)
-    vscale = _round_up(tl.math.div_rn(vspan, tl.full(vspan.shape, VQ, tl.float32)), sdt_v, BUMP_V)
+    if RECIP:
+        vr = vspan * (1.0 / VQ)
+    else:
+        vr = tl.math.div_rn(vspan, tl.full(vspan.shape, VQ, tl.float32))
+    vscale = _round_up(vr, sdt_v, BUMP_V)
     vs = vscale.to(tl.float32)[:, :, None]
     vz = vzf[:, :, None]
     vpos = vs > 0
@@ -136,5 +144,6 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
         BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
+        RECIP=k.device.type == "cuda",
         num_warps=4,
     )
