@@ -31,6 +31,7 @@ the residual window plus the new tokens form the last chunk.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -54,6 +55,32 @@ def _softmax_step(s, valid, m_i, l_i, acc, v, DT: tl.constexpr, PREC: tl.constex
 
 
 @triton.jit
+def _acc_update(k: tl.constexpr, pv, alpha, a0, a1, a2, a3):
+    """acc_k = acc_k * alpha + pv for the k-th value channel chunk (compile-time k)."""
+    if k == 0:
+        a0 = a0 * alpha[:, None] + pv
+    elif k == 1:
+        a1 = a1 * alpha[:, None] + pv
+    elif k == 2:
+        a2 = a2 * alpha[:, None] + pv
+    else:
+        a3 = a3 * alpha[:, None] + pv
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _acc_get(k: tl.constexpr, a0, a1, a2, a3):
+    if k == 0:
+        return a0
+    elif k == 1:
+        return a1
+    elif k == 2:
+        return a2
+    else:
+        return a3
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, bt_ptr, len_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -68,6 +95,10 @@ def _decode_split_kernel(
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
+    """Planar chunks: a packed row of n = 8 // bits codes per byte unpacks, chunk by chunk, into the
+    contiguous channel blocks [k * D/n, (k+1) * D/n). Codes are loaded once as contiguous [BLOCK, D/n]
+    bytes (vectorized); scores sum one tl.dot per key chunk, and each value chunk has its own
+    accumulator, so no interleaving or per-element address arithmetic is needed."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // Hkv
@@ -79,17 +110,25 @@ def _decode_split_kernel(
     else:
         DT: tl.constexpr = q_ptr.dtype.element_ty
         PREC: tl.constexpr = "tf32"
+    NK: tl.constexpr = 8 // KBITS
+    NV: tl.constexpr = 8 // VBITS
+    DK: tl.constexpr = D // NK
+    DV: tl.constexpr = D // NV
+    KMASK: tl.constexpr = (1 << KBITS) - 1
+    VMASK: tl.constexpr = (1 << VBITS) - 1
     offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
     hq = h * GROUP + offs_g
     gmask = offs_g < GROUP
-    q = tl.load(q_ptr + b64 * s_qb + hq[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    q = q.to(tl.float32).to(DT)
+    q_row = q_ptr + b64 * s_qb + hq[:, None] * s_qh
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    NG: tl.constexpr = BLOCK // G
+    a0 = tl.zeros([GP, DV], tl.float32)
+    a1 = tl.zeros([GP, DV], tl.float32)
+    a2 = tl.zeros([GP, DV], tl.float32)
+    a3 = tl.zeros([GP, DV], tl.float32)
+    offs_dk = tl.arange(0, DK)
+    offs_dv = tl.arange(0, DV)
 
     if split < NS:
         length = tl.load(len_ptr + b).to(tl.int32)
@@ -103,36 +142,72 @@ def _decode_split_kernel(
         vc_h = vc_ptr + h * s_vch
         vs_h = vs_ptr + h * s_vsh
         vz_h = vz_ptr + h * s_vsh
+        offs_t = tl.arange(0, BLOCK)
         for start in range(t0, t1, BLOCK):
             page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
             off = start % P
-            tok = start + tl.arange(0, BLOCK)
-            tvalid = tok < t1
-            gvalid = (start + tl.arange(0, NG) * G < t1)[:, None, None]
-            k = _key_tile(kc_h + page * s_kcp, ks_h + page * s_ksp, kz_h + page * s_ksp, off, gvalid,
-                          s_kct, s_ksg, BLOCK, G, D, KBITS)
-            v = _value_tile(vc_h + page * s_vcp, vs_h + page * s_vsp, vz_h + page * s_vsp, off,
-                            tvalid[:, None, None], s_vct, s_vst, BLOCK, G, D, VBITS)
-            s = tl.dot(q, tl.trans(k.to(DT)), input_precision=PREC) * qk_scale
-            m_i, l_i, acc = _softmax_step(s, tvalid[None, :], m_i, l_i, acc, v, DT, PREC)
+            tvalid = start + offs_t < t1
+            tp = off + offs_t  # token slot in the page
+            kraw = tl.load(kc_h + page * s_kcp + tp[:, None] * s_kct + offs_dk[None, :])
+            vraw = tl.load(vc_h + page * s_vcp + tp[:, None] * s_vct + offs_dv[None, :])
+            ksrow = ks_h + page * s_ksp + (tp // G)[:, None] * s_ksg
+            kzrow = kz_h + page * s_ksp + (tp // G)[:, None] * s_ksg
+            s = tl.zeros([GP, BLOCK], tl.float32)
+            for k in tl.static_range(NK):
+                cols = k * DK + offs_dk
+                ks = tl.load(ksrow + cols[None, :], mask=tvalid[:, None], other=0.0).to(tl.float32)
+                kz = tl.load(kzrow + cols[None, :], mask=tvalid[:, None], other=0.0).to(tl.float32)
+                codes = ((kraw >> (k * KBITS)) & KMASK).to(tl.float32)
+                kk = codes * ks + kz
+                qk = tl.load(q_row + cols[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+                s += tl.dot(qk.to(DT), tl.trans(kk.to(DT)), input_precision=PREC)
+            s = tl.where(tvalid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            pd = p.to(DT)
+            vrow = (tp * s_vst)[:, None]
+            for k in tl.static_range(NV):
+                grp = (k * DV + offs_dv) // G
+                vs = tl.load(vs_h + page * s_vsp + vrow + grp[None, :], mask=tvalid[:, None], other=0.0)
+                vz = tl.load(vz_h + page * s_vsp + vrow + grp[None, :], mask=tvalid[:, None], other=0.0)
+                codes = ((vraw >> (k * VBITS)) & VMASK).to(tl.float32)
+                vv = codes * vs.to(tl.float32) + vz.to(tl.float32)
+                pv = tl.dot(pd, vv.to(DT), input_precision=PREC)
+                a0, a1, a2, a3 = _acc_update(k, pv, alpha, a0, a1, a2, a3)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
         rv_b = rv_ptr + b64 * s_rvb + h * s_rvh
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_row + offs_d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32).to(DT)
         for start in range(0, rlen, BLOCK_R):
             tok = start + tl.arange(0, BLOCK_R)
             tvalid = tok < rlen
-            k = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
-            v = tl.load(rv_b + tok[:, None] * s_rvt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
-            k = k.to(tl.float32).to(DT)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            m_i, l_i, acc = _softmax_step(s, tvalid[None, :], m_i, l_i, acc, v.to(tl.float32), DT, PREC)
+            kk = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kk.to(tl.float32).to(DT)), input_precision=PREC) * qk_scale
+            s = tl.where(tvalid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            pd = p.to(DT)
+            for k in tl.static_range(NV):
+                cols = k * DV + offs_dv
+                vv = tl.load(rv_b + tok[:, None] * s_rvt + cols[None, :], mask=tvalid[:, None], other=0.0)
+                pv = tl.dot(pd, vv.to(tl.float32).to(DT), input_precision=PREC)
+                a0, a1, a2, a3 = _acc_update(k, pv, alpha, a0, a1, a2, a3)
 
     row = (b64 * Hkv + h) * GROUP + offs_g  # flat (b, hq)
     ws = row * (NS + 1) + split
     tl.store(m_ws + ws, m_i, mask=gmask)
     tl.store(l_ws + ws, l_i, mask=gmask)
-    tl.store(o_ws + ws[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+    for k in tl.static_range(NV):
+        acc = _acc_get(k, a0, a1, a2, a3)
+        tl.store(o_ws + ws[:, None] * D + (k * DV + offs_dv)[None, :], acc, mask=gmask[:, None])
 
 
 @triton.jit
@@ -218,7 +293,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     res_lengths = res_lengths.contiguous()
     interp = interpreting()
     ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device)
-    blk = block_tokens(p, group_size, 256 if interp else (64 if d <= 128 else 32))
+    blk = block_tokens(p, group_size, 256 if interp else int(os.environ.get("KIVI_DECODE_BLOCK", 64 if d <= 128 else 32)))
     blk_r = 64 if interp else (32 if d <= 128 else 16)
     ws_m = torch.empty(bsz * hq, ns + 1, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
@@ -239,7 +314,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         res_v.stride(0), res_v.stride(1), res_v.stride(2),
         GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
         KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
-        num_warps=4, num_stages=3 if not interp else 1,
+        num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 4)),
+        num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),
     )
     bs = min(triton.next_power_of_2(ns + 1), 32)
     _decode_reduce_kernel[(bsz * hq,)](
