@@ -55,29 +55,45 @@ def _softmax_step(s, valid, m_i, l_i, acc, v, DT: tl.constexpr, PREC: tl.constex
 
 
 @triton.jit
-def _acc_update(k: tl.constexpr, pv, alpha, a0, a1, a2, a3):
-    """acc_k = acc_k * alpha + pv for the k-th value channel chunk (compile-time k)."""
-    if k == 0:
+def _acc_update(i: tl.constexpr, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7):
+    """acc_i = acc_i * alpha + pv for value channel group i (compile-time i)."""
+    if i == 0:
         a0 = a0 * alpha[:, None] + pv
-    elif k == 1:
+    elif i == 1:
         a1 = a1 * alpha[:, None] + pv
-    elif k == 2:
+    elif i == 2:
         a2 = a2 * alpha[:, None] + pv
-    else:
+    elif i == 3:
         a3 = a3 * alpha[:, None] + pv
-    return a0, a1, a2, a3
+    elif i == 4:
+        a4 = a4 * alpha[:, None] + pv
+    elif i == 5:
+        a5 = a5 * alpha[:, None] + pv
+    elif i == 6:
+        a6 = a6 * alpha[:, None] + pv
+    else:
+        a7 = a7 * alpha[:, None] + pv
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _acc_get(k: tl.constexpr, a0, a1, a2, a3):
-    if k == 0:
+def _acc_get(i: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
+    if i == 0:
         return a0
-    elif k == 1:
+    elif i == 1:
         return a1
-    elif k == 2:
+    elif i == 2:
         return a2
-    else:
+    elif i == 3:
         return a3
+    elif i == 4:
+        return a4
+    elif i == 5:
+        return a5
+    elif i == 6:
+        return a6
+    else:
+        return a7
 
 
 @triton.jit
@@ -95,10 +111,14 @@ def _decode_split_kernel(
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """Planar chunks: a packed row of n = 8 // bits codes per byte unpacks, chunk by chunk, into the
-    contiguous channel blocks [k * D/n, (k+1) * D/n). Codes are loaded once as contiguous [BLOCK, D/n]
-    bytes (vectorized); scores sum one tl.dot per key chunk, and each value chunk has its own
-    accumulator, so no interleaving or per-element address arithmetic is needed."""
+    """One key group (G tokens) per iteration, with the scales folded out of the tiles:
+
+    keys:   q . (c * s + z) = (q * s) . c + q . z   -- s, z: one [D] row per group and channel
+    values: sum_t p_t (c_td * s_tg + z_tg) = (p * s_g) @ c_g + p @ z_g  -- per channel group g
+
+    so the code tiles are only converted to the dot dtype, never scaled element by element, and
+    scales are loaded once per group (no broadcast loads). Planar packing: channel block k of a
+    row is ``(byte >> k * bits) & mask``; a value channel group g lies in block g // (G per block)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // Hkv
@@ -114,6 +134,8 @@ def _decode_split_kernel(
     NV: tl.constexpr = 8 // VBITS
     DK: tl.constexpr = D // NK
     DV: tl.constexpr = D // NV
+    W: tl.constexpr = G if G < DV else DV  # value sub-tile width: inside one group and one packed block
+    NW: tl.constexpr = D // W  # value sub-tiles (<= 8), one accumulator each
     KMASK: tl.constexpr = (1 << KBITS) - 1
     VMASK: tl.constexpr = (1 << VBITS) - 1
     offs_g = tl.arange(0, GP)
@@ -123,12 +145,16 @@ def _decode_split_kernel(
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    a0 = tl.zeros([GP, DV], tl.float32)
-    a1 = tl.zeros([GP, DV], tl.float32)
-    a2 = tl.zeros([GP, DV], tl.float32)
-    a3 = tl.zeros([GP, DV], tl.float32)
+    a0 = tl.zeros([GP, W], tl.float32)
+    a1 = tl.zeros([GP, W], tl.float32)
+    a2 = tl.zeros([GP, W], tl.float32)
+    a3 = tl.zeros([GP, W], tl.float32)
+    a4 = tl.zeros([GP, W], tl.float32)
+    a5 = tl.zeros([GP, W], tl.float32)
+    a6 = tl.zeros([GP, W], tl.float32)
+    a7 = tl.zeros([GP, W], tl.float32)
     offs_dk = tl.arange(0, DK)
-    offs_dv = tl.arange(0, DV)
+    offs_c = tl.arange(0, W)
 
     if split < NS:
         length = tl.load(len_ptr + b).to(tl.int32)
@@ -142,41 +168,42 @@ def _decode_split_kernel(
         vc_h = vc_ptr + h * s_vch
         vs_h = vs_ptr + h * s_vsh
         vz_h = vz_ptr + h * s_vsh
-        offs_t = tl.arange(0, BLOCK)
-        for start in range(t0, t1, BLOCK):
+        offs_t = tl.arange(0, G)
+        for start in range(t0, t1, G):
             page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
-            off = start % P
-            tvalid = start + offs_t < t1
-            tp = off + offs_t  # token slot in the page
+            tp = start % P + offs_t  # token slots in the page
+            tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
             kraw = tl.load(kc_h + page * s_kcp + tp[:, None] * s_kct + offs_dk[None, :])
-            vraw = tl.load(vc_h + page * s_vcp + tp[:, None] * s_vct + offs_dv[None, :])
-            ksrow = ks_h + page * s_ksp + (tp // G)[:, None] * s_ksg
-            kzrow = kz_h + page * s_ksp + (tp // G)[:, None] * s_ksg
-            s = tl.zeros([GP, BLOCK], tl.float32)
+            srow = ks_h + page * s_ksp + (start % P) // G * s_ksg
+            zrow = kz_h + page * s_ksp + (start % P) // G * s_ksg
+            s = tl.zeros([GP, G], tl.float32)
             for k in tl.static_range(NK):
                 cols = k * DK + offs_dk
-                ks = tl.load(ksrow + cols[None, :], mask=tvalid[:, None], other=0.0).to(tl.float32)
-                kz = tl.load(kzrow + cols[None, :], mask=tvalid[:, None], other=0.0).to(tl.float32)
-                codes = ((kraw >> (k * KBITS)) & KMASK).to(tl.float32)
-                kk = codes * ks + kz
+                ks = tl.load(srow + cols).to(tl.float32)
+                kz = tl.load(zrow + cols).to(tl.float32)
                 qk = tl.load(q_row + cols[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-                s += tl.dot(qk.to(DT), tl.trans(kk.to(DT)), input_precision=PREC)
+                codes = ((kraw >> (k * KBITS)) & KMASK).to(DT)
+                s += tl.dot((qk * ks[None, :]).to(DT), tl.trans(codes), input_precision=PREC)
+                s += tl.sum(qk * kz[None, :], axis=1)[:, None]
             s = tl.where(tvalid[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            pd = p.to(DT)
-            vrow = (tp * s_vst)[:, None]
-            for k in tl.static_range(NV):
-                grp = (k * DV + offs_dv) // G
-                vs = tl.load(vs_h + page * s_vsp + vrow + grp[None, :], mask=tvalid[:, None], other=0.0)
-                vz = tl.load(vz_h + page * s_vsp + vrow + grp[None, :], mask=tvalid[:, None], other=0.0)
-                codes = ((vraw >> (k * VBITS)) & VMASK).to(tl.float32)
-                vv = codes * vs.to(tl.float32) + vz.to(tl.float32)
-                pv = tl.dot(pd, vv.to(DT), input_precision=PREC)
-                a0, a1, a2, a3 = _acc_update(k, pv, alpha, a0, a1, a2, a3)
+            vrow = vc_h + page * s_vcp + tp[:, None] * s_vct
+            svrow = page * s_vsp + tp * s_vst
+            for gi in tl.static_range(NW):
+                k: tl.constexpr = gi * W // DV  # packed block holding this sub-tile
+                byte0: tl.constexpr = gi * W - k * DV
+                grp: tl.constexpr = gi * W // G  # its value group
+                vraw = tl.load(vrow + (byte0 + offs_c)[None, :])
+                codes = ((vraw >> (k * VBITS)) & VMASK).to(DT)
+                vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
+                vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
+                pv = tl.dot((p * vs[None, :]).to(DT), codes, input_precision=PREC)
+                pv += tl.sum(p * vz[None, :], axis=1)[:, None]
+                a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(gi, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
@@ -195,19 +222,19 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
             pd = p.to(DT)
-            for k in tl.static_range(NV):
-                cols = k * DV + offs_dv
+            for gi in tl.static_range(NW):
+                cols = gi * W + offs_c
                 vv = tl.load(rv_b + tok[:, None] * s_rvt + cols[None, :], mask=tvalid[:, None], other=0.0)
                 pv = tl.dot(pd, vv.to(tl.float32).to(DT), input_precision=PREC)
-                a0, a1, a2, a3 = _acc_update(k, pv, alpha, a0, a1, a2, a3)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(gi, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
 
     row = (b64 * Hkv + h) * GROUP + offs_g  # flat (b, hq)
     ws = row * (NS + 1) + split
     tl.store(m_ws + ws, m_i, mask=gmask)
     tl.store(l_ws + ws, l_i, mask=gmask)
-    for k in tl.static_range(NV):
-        acc = _acc_get(k, a0, a1, a2, a3)
-        tl.store(o_ws + ws[:, None] * D + (k * DV + offs_dv)[None, :], acc, mask=gmask[:, None])
+    for gi in tl.static_range(NW):
+        acc = _acc_get(gi, a0, a1, a2, a3, a4, a5, a6, a7)
+        tl.store(o_ws + ws[:, None] * D + (gi * W + offs_c)[None, :], acc, mask=gmask[:, None])
 
 
 @triton.jit
@@ -280,6 +307,11 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if bsz == 0 or hq == 0:
         return out
     group = hq // hkv
+    sub = min(group_size, d * value_bits // 8)
+    if d // sub > 8 or sub < 16 or d * key_bits // 8 < 16:
+        raise ValueError(f"decode kernel needs value sub-tiles min(group_size, head_dim*value_bits/8) >= 16 "
+                         f"and <= 8 of them per head; got group_size={group_size}, head_dim={d}, "
+                         f"bits={key_bits}/{value_bits}")
     gp = max(16, triton.next_power_of_2(group))
     if q.stride(-1) != 1:
         q = q.contiguous()

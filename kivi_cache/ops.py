@@ -65,23 +65,39 @@ def _impl(device_type: str):
     return mod
 
 
+_unsupported_warned: set = set()
+
+
+def _call(name: str, device_type: str, *args, **kwargs):
+    mod = _impl(device_type)
+    if mod is reference or _backend == "triton":
+        return getattr(mod, name)(*args, **kwargs)
+    try:
+        return getattr(mod, name)(*args, **kwargs)
+    except ValueError as exc:  # a shape or setting the kernels do not cover (e.g. head_dim 96)
+        if name not in _unsupported_warned:
+            warnings.warn(f"kivi_cache: {name} kernel does not support this configuration ({exc}); "
+                          "using the torch reference", RuntimeWarning, stacklevel=3)
+            _unsupported_warned.add(name)
+        return getattr(reference, name)(*args, **kwargs)
+
+
 def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size):
-    _impl(k.device.type).quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size)
+    _call("quantize_and_write", k.device.type, k, v, pages, slots, *pool, key_bits, value_bits, group_size)
 
 
 def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None):
-    return _impl(block_table.device.type).dequantize_pages(
-        block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=max_len)
+    return _call("dequantize_pages", block_table.device.type, block_table, lengths, *pool, key_bits, value_bits,
+                 group_size, max_len=max_len)
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
                            group_size, sm_scale):
-    return _impl(q.device.type).paged_decode_attention(
-        q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size, sm_scale)
+    return _call("paged_decode_attention", q.device.type, q, block_table, lengths, *pool, res_k, res_v,
+                 res_lengths, key_bits, value_bits, group_size, sm_scale)
 
 
 def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
                            key_bits, value_bits, group_size, sm_scale):
-    return _impl(q.device.type).paged_prefix_attention(
-        q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits,
-        value_bits, group_size, sm_scale)
+    return _call("paged_prefix_attention", q.device.type, q, block_table, lengths, *pool, res_k, res_v,
+                 res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale)
