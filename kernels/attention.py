@@ -194,11 +194,11 @@ def _decode_split_kernel(
             vrow = vc_h + page * s_vcp + tp[:, None] * s_vct
             svrow = page * s_vsp + tp * s_vst
             for gi in tl.static_range(NW):
-                k: tl.constexpr = gi * W // DV  # packed block holding this sub-tile
-                byte0: tl.constexpr = gi * W - k * DV
+                blk_v: tl.constexpr = gi * W // DV  # packed block holding this sub-tile
+                byte0: tl.constexpr = gi * W - blk_v * DV
                 grp: tl.constexpr = gi * W // G  # its value group
                 vraw = tl.load(vrow + (byte0 + offs_c)[None, :])
-                codes = ((vraw >> (k * VBITS)) & VMASK).to(DT)
+                codes = ((vraw >> (blk_v * VBITS)) & VMASK).to(DT)
                 vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
                 vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
                 pv = tl.dot((p * vs[None, :]).to(DT), codes, input_precision=PREC)
