@@ -194,9 +194,9 @@ def _decode_split_kernel(
             vrow = vc_h + page * s_vcp + tp[:, None] * s_vct
             svrow = page * s_vsp + tp * s_vst
             for gi in tl.static_range(NW):
-                blk_v: tl.constexpr = gi * W // DV  # packed block holding this sub-tile
-                byte0: tl.constexpr = gi * W - blk_v * DV
-                grp: tl.constexpr = gi * W // G  # its value group
+                blk_v = gi * W // DV  # packed block holding this sub-tile
+                byte0 = gi * W - blk_v * DV
+                grp = gi * W // G  # its value group
                 vraw = tl.load(vrow + (byte0 + offs_c)[None, :])
                 codes = ((vraw >> (blk_v * VBITS)) & VMASK).to(DT)
                 vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
