@@ -109,7 +109,7 @@ def _decode_split_kernel(
     s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PROBE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One key group (G tokens) per iteration, with the scales folded out of the tiles:
 
@@ -169,8 +169,14 @@ def _decode_split_kernel(
         vs_h = vs_ptr + h * s_vsh
         vz_h = vz_ptr + h * s_vsh
         offs_t = tl.arange(0, G)
+        page_next = tl.load(bt_ptr + b64 * s_btb + t0 // P, mask=t0 < t1, other=0).to(tl.int64)
         for start in range(t0, t1, G):
-            page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
+            if PREFETCH:  # the next iteration's page id is loaded one iteration ahead
+                page = page_next
+                page_next = tl.load(bt_ptr + b64 * s_btb + (start + G) // P, mask=start + G < t1,
+                                    other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
             tp = start % P + offs_t  # token slots in the page
             tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
             kraw = tl.load(kc_h + page * s_kcp + tp[:, None] * s_kct + offs_dk[None, :])
@@ -179,8 +185,12 @@ def _decode_split_kernel(
             s = tl.zeros([GP, G], tl.float32)
             for k in tl.static_range(NK):
                 cols = k * DK + offs_dk
-                ks = tl.load(srow + cols).to(tl.float32)
-                kz = tl.load(zrow + cols).to(tl.float32)
+                if PROBE == 1:  # diagnostics only: skip the scale and zero loads
+                    ks = tl.full([DK], 1.0, tl.float32)
+                    kz = tl.zeros([DK], tl.float32)
+                else:
+                    ks = tl.load(srow + cols).to(tl.float32)
+                    kz = tl.load(zrow + cols).to(tl.float32)
                 qk = tl.load(q_row + cols[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
                 codes = ((kraw >> (k * KBITS)) & KMASK).to(DT)
                 s += tl.dot((qk * ks[None, :]).to(DT), tl.trans(codes), input_precision=PREC)
@@ -193,14 +203,18 @@ def _decode_split_kernel(
             m_i = m_new
             vrow = vc_h + page * s_vcp + tp[:, None] * s_vct
             svrow = page * s_vsp + tp * s_vst
-            for gi in tl.static_range(NW):
+            for gi in tl.static_range(NW if PROBE != 2 else 0):  # PROBE 2 (diagnostics): keys only
                 blk_v = gi * W // DV  # packed block holding this sub-tile
                 byte0 = gi * W - blk_v * DV
                 grp = gi * W // G  # its value group
                 vraw = tl.load(vrow + (byte0 + offs_c)[None, :])
                 codes = ((vraw >> (blk_v * VBITS)) & VMASK).to(DT)
-                vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
-                vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
+                if PROBE == 1:
+                    vs = tl.where(tvalid, 1.0, 0.0)
+                    vz = tl.zeros([G], tl.float32)
+                else:
+                    vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
+                    vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
                 pv = tl.dot((p * vs[None, :]).to(DT), codes, input_precision=PREC)
                 pv += tl.sum(p * vz[None, :], axis=1)[:, None]
                 a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(gi, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
@@ -288,7 +302,8 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float, *, num_splits: int | None = None, out=None):
+                           sm_scale: float, *, num_splits: int | None = None, out=None, _probe: int = 0,
+                           _prefetch: bool | None = None):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
 
     q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits``
@@ -345,7 +360,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         res_k.stride(0), res_k.stride(1), res_k.stride(2),
         res_v.stride(0), res_v.stride(1), res_v.stride(2),
         GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
-        KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
+        KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32, PROBE=_probe,
+        PREFETCH=bool(int(os.environ.get("KIVI_DECODE_PREFETCH", 0))) if _prefetch is None else _prefetch,
         num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 4)),
         num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),
     )

@@ -300,3 +300,8 @@ def test_prefix_attention(dtype, kb, vb):
 
 def test_zz_report_max_errors():
     print("max relative errors:", {k: f"{v:.2e}" for k, v in sorted(MAX_ERR.items())})
+
+
+def test_decode_prefetch_variant_matches_reference():
+    args = decode_case(2, 2, 4, 64, 64, 32, 4, 2, torch.float16, [96, 160], [5, 17])
+    run_decode(args, "decode prefetch", _prefetch=True)
