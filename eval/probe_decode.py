@@ -119,7 +119,7 @@ def main():
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         q = q4[:, :, 0]
         ns = max(1, min(triton.cdiv(132 * 8, b * hkv), ctx // 512))
-        for block, warps, stages in [(32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3)]:
+        for block, warps, stages in [(32, 4, 3), (64, 4, 3)]:  # block <= page size
             try:
                 t = bench(lambda: fp16_paged(q, bt, lens, kp, vp, ns, block, warps, stages))
                 rec(batch=b, context=ctx, variant=f"fp16-paged-b{block}-w{warps}", ms=t,
@@ -142,8 +142,7 @@ def main():
             for name, kw, env in [("int%d" % bits, {}, {}), ("int%d-probe1-noscales" % bits, {"_probe": 1}, {}),
                                   ("int%d-probe2-keysonly" % bits, {"_probe": 2}, {}),
                                   ("int%d-prefetch" % bits, {"_prefetch": True}, {}),
-                                  ("int%d-w8" % bits, {}, {"KIVI_DECODE_WARPS": "8"}),
-                                  ("int%d-prefetch-w8" % bits, {"_prefetch": True}, {"KIVI_DECODE_WARPS": "8"})]:
+                                  ("int%d-w2" % bits, {}, {"KIVI_DECODE_WARPS": "2"})]:
                 old = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
                 try:

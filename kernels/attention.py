@@ -97,6 +97,19 @@ def _acc_get(i: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @triton.jit
+def _codes_to(c, DT: tl.constexpr, CODEC: tl.constexpr):
+    """Small non-negative integer codes -> DT without integer-to-float conversion instructions
+    (those run at a fraction of the FMA rate): OR the code into the mantissa of 1024.0 (fp16) or
+    128.0 (bf16, codes < 128) and subtract the constant."""
+    if CODEC == 1:
+        return (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    elif CODEC == 2:
+        return (c.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+    else:
+        return c.to(tl.float32).to(DT)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, bt_ptr, len_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -110,6 +123,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, PROBE: tl.constexpr, PREFETCH: tl.constexpr,
+    KCODEC: tl.constexpr, VCODEC: tl.constexpr,
 ):
     """One key group (G tokens) per iteration, with the scales folded out of the tiles:
 
@@ -186,21 +200,21 @@ def _decode_split_kernel(
             for k in tl.static_range(NK):
                 cols = k * DK + offs_dk
                 if PROBE == 1:  # diagnostics only: skip the scale and zero loads
-                    ks = tl.full([DK], 1.0, tl.float32)
-                    kz = tl.zeros([DK], tl.float32)
+                    ks = tl.full([DK], 1.0, DT)
+                    kz = tl.zeros([DK], DT)
                 else:
-                    ks = tl.load(srow + cols).to(tl.float32)
-                    kz = tl.load(zrow + cols).to(tl.float32)
-                qk = tl.load(q_row + cols[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-                codes = ((kraw >> (k * KBITS)) & KMASK).to(DT)
-                s += tl.dot((qk * ks[None, :]).to(DT), tl.trans(codes), input_precision=PREC)
-                s += tl.sum(qk * kz[None, :], axis=1)[:, None]
+                    ks = tl.load(srow + cols).to(DT)
+                    kz = tl.load(zrow + cols).to(DT)
+                qk = tl.load(q_row + cols[None, :], mask=gmask[:, None], other=0.0).to(DT)
+                kk = _codes_to((kraw >> (k * KBITS)) & KMASK, DT, KCODEC) * ks[None, :] + kz[None, :]
+                s += tl.dot(qk, tl.trans(kk.to(DT)), input_precision=PREC)
             s = tl.where(tvalid[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
+            pd = p.to(DT)
             vrow = vc_h + page * s_vcp + tp[:, None] * s_vct
             svrow = page * s_vsp + tp * s_vst
             for gi in tl.static_range(NW if PROBE != 2 else 0):  # PROBE 2 (diagnostics): keys only
@@ -208,15 +222,15 @@ def _decode_split_kernel(
                 byte0 = gi * W - blk_v * DV
                 grp = gi * W // G  # its value group
                 vraw = tl.load(vrow + (byte0 + offs_c)[None, :])
-                codes = ((vraw >> (blk_v * VBITS)) & VMASK).to(DT)
+                codes = _codes_to((vraw >> (blk_v * VBITS)) & VMASK, DT, VCODEC)
                 if PROBE == 1:
-                    vs = tl.where(tvalid, 1.0, 0.0)
-                    vz = tl.zeros([G], tl.float32)
+                    vs = tl.where(tvalid, 1.0, 0.0).to(DT)
+                    vz = tl.zeros([G], DT)
                 else:
-                    vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
-                    vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0).to(tl.float32)
-                pv = tl.dot((p * vs[None, :]).to(DT), codes, input_precision=PREC)
-                pv += tl.sum(p * vz[None, :], axis=1)[:, None]
+                    vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(DT)
+                    vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0).to(DT)
+                vv = codes * vs[:, None] + vz[:, None]  # per-token scales broadcast over the channels
+                pv = tl.dot(pd, vv.to(DT), input_precision=PREC)
                 a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(gi, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
@@ -279,6 +293,17 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
+def _codec(dtype, bits: int, dot_f32: bool) -> int:
+    """How _codes_to converts codes: 1 fp16 magic number, 2 bf16 magic number (codes < 128), 0 plain."""
+    if dot_f32:
+        return 0
+    if dtype == torch.float16:
+        return 1
+    if dtype == torch.bfloat16 and bits <= 4:
+        return 2
+    return 0
+
+
 def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
@@ -303,7 +328,7 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, num_splits: int | None = None, out=None, _probe: int = 0,
-                           _prefetch: bool | None = None):
+                           _prefetch: bool | None = None, _force_half_dot: bool = False):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
 
     q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits``
@@ -345,7 +370,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     ws_m = torch.empty(bsz * hq, ns + 1, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_o = torch.empty(bsz * hq, ns + 1, d, dtype=torch.float32, device=q.device)
-    dot_f32 = interp or q.dtype == torch.float32
+    dot_f32 = (interp and not _force_half_dot) or q.dtype == torch.float32
     _decode_split_kernel[(bsz * hkv, ns + 1)](
         q, block_table, lengths,
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -361,6 +386,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         res_v.stride(0), res_v.stride(1), res_v.stride(2),
         GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
         KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32, PROBE=_probe,
+        KCODEC=_codec(q.dtype, key_bits, dot_f32), VCODEC=_codec(q.dtype, value_bits, dot_f32),
         PREFETCH=bool(int(os.environ.get("KIVI_DECODE_PREFETCH", 0))) if _prefetch is None else _prefetch,
         num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 4)),
         num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),

@@ -305,3 +305,10 @@ def test_zz_report_max_errors():
 def test_decode_prefetch_variant_matches_reference():
     args = decode_case(2, 2, 4, 64, 64, 32, 4, 2, torch.float16, [96, 160], [5, 17])
     run_decode(args, "decode prefetch", _prefetch=True)
+
+
+@pytest.mark.parametrize("kb,vb", [(4, 4), (2, 2), (8, 8), (2, 4)])
+def test_decode_half_precision_dot_path(kb, vb):
+    """The GPU path (fp16 dot operands, codes converted through the fp16 magic number) on any device."""
+    args = decode_case(2, 2, 4, 64, 64, 32, kb, vb, torch.float16, [96, 160], [5, 17])
+    run_decode(args, f"decode half-dot {kb}/{vb}", _force_half_dot=True)
