@@ -299,8 +299,8 @@ def _codec(dtype, bits: int, dot_f32: bool) -> int:
         return 0
     if dtype == torch.float16:
         return 1
-    if dtype == torch.bfloat16 and bits <= 4:
-        return 2
+    # CODEC 2 (bf16 magic number) is implemented but not yet verified on a GPU (the interpreter's
+    # bf16 arithmetic is wrong, so no CPU test covers it): bf16 uses the plain conversion for now.
     return 0
 
 
