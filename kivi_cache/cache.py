@@ -38,13 +38,15 @@ class QuantizedPagedCache(Cache):
         residual_length: newest tokens kept in full precision.
         page_size: tokens per page (a multiple of group_size).
         num_pages: pages to preallocate per layer (0: grow on demand).
+        sink_length: first tokens of each sequence kept in full precision (attention sinks).
         config: optional model config, checked up front for unsupported attention (sliding windows).
     """
 
     def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 32, residual_length: int = 128,
-                 page_size: int = 64, num_pages: int = 0, config=None):
+                 page_size: int = 64, num_pages: int = 0, sink_length: int = 0, config=None):
         self.quant_config = QuantConfig(key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-                                        residual_length=residual_length, page_size=page_size, num_pages=num_pages)
+                                        residual_length=residual_length, page_size=page_size, num_pages=num_pages,
+                                        sink_length=sink_length)
         if config is not None:
             _check_model_config(config)
         super().__init__(layers=[])
@@ -52,7 +54,8 @@ class QuantizedPagedCache(Cache):
     def __repr__(self):
         c = self.quant_config
         return (f"{type(self).__name__}(key_bits={c.key_bits}, value_bits={c.value_bits}, group_size={c.group_size}, "
-                f"residual_length={c.residual_length}, page_size={c.page_size}, layers={len(self.layers)})")
+                f"residual_length={c.residual_length}, page_size={c.page_size}, sink_length={c.sink_length}, "
+                f"layers={len(self.layers)})")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:

@@ -29,6 +29,8 @@ class QuantConfig:
         in the residual window; older tokens are flushed in whole key groups.
     page_size: tokens per page; a multiple of group_size.
     num_pages: pages to preallocate per layer (0 = grow on demand).
+    sink_length: the first tokens of every sequence kept in full precision for
+        good (attention sinks); they live at the front of the residual window.
     """
 
     key_bits: int = 4
@@ -37,6 +39,7 @@ class QuantConfig:
     residual_length: int = 128
     page_size: int = 64
     num_pages: int = 0
+    sink_length: int = 0
 
     def __post_init__(self) -> None:
         for name in ("key_bits", "value_bits"):
@@ -47,6 +50,7 @@ class QuantConfig:
         _check_int("residual_length", self.residual_length, 0)
         _check_int("page_size", self.page_size, 1)
         _check_int("num_pages", self.num_pages, 0)
+        _check_int("sink_length", self.sink_length, 0)
         if self.page_size % self.group_size:
             raise ValueError(
                 f"page_size must be a multiple of group_size ({self.group_size}), "
@@ -56,7 +60,7 @@ class QuantConfig:
     @property
     def residual_capacity(self) -> int:
         """Largest number of tokens the residual window holds between steps."""
-        return self.residual_length + self.group_size - 1
+        return self.sink_length + self.residual_length + self.group_size - 1
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this configuration cannot store heads of ``head_dim`` channels."""

@@ -7,7 +7,9 @@ State per sequence ``b``:
   sees the padding mask);
 * ``q_lens[b]`` quantized tokens in the pages listed by ``tables[b]``
   (always a multiple of ``group_size``);
-* ``r_lens[b]`` newest tokens in full precision in ``res_k/res_v[b]``.
+* ``r_lens[b]`` tokens in full precision in ``res_k/res_v[b]``: first the sequence's
+  ``sinks[b]`` attention-sink tokens (its first ``sink_length`` tokens, kept for good),
+  then the newest tokens (the residual window proper).
 
 ``seen`` is the virtual length (what ``get_seq_length`` reports and the masks
 are built for): ``seen == pads[b] + q_lens[b] + r_lens[b]`` for every b.
@@ -48,6 +50,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.q_lens: list[int] = []
         self.r_lens: list[int] = []
         self.pads: list[int] = []
+        self.sinks: list[int] = []
         self.seen = 0
         self.res_k = self.res_v = None
         self.pending: PendingStep | None = None
@@ -74,7 +77,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.q_lens = [0] * b
         self.r_lens = [0] * b
         self.pads = [0] * b
-        cap = self.cfg.residual_length + self.cfg.group_size
+        self.sinks = [0] * b
+        cap = self.cfg.sink_length + self.cfg.residual_length + self.cfg.group_size
         self.res_k = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)
         self.res_v = torch.zeros_like(self.res_k)
         self.is_initialized = True
@@ -134,10 +138,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self.res_k[rows, :, idx] = k[:, :, 0]
             self.res_v[rows, :, idx] = v[:, :, 0]
         self.r_lens = [x + 1 for x in r]
+        sink = self.cfg.sink_length
+        self.sinks = [x + 1 if x < sink else x for x in self.sinks]  # the first tokens become sinks
         if self._dev is not None:
             self._dev[2].add_(1)
         limit = self.cfg.residual_length + self.cfg.group_size
-        full = [i for i, x in enumerate(self.r_lens) if x >= limit]
+        full = [i for i, x in enumerate(self.r_lens) if x - self.sinks[i] >= limit]
         if full:
             self._flush_residual(full)
 
@@ -145,13 +151,14 @@ class QuantizedPagedLayer(CacheLayerMixin):
         cfg = self.cfg
         items = []
         for i in seqs:
-            c = (self.r_lens[i] - cfg.residual_length) // cfg.group_size * cfg.group_size
-            items.append((i, self.res_k[i, :, :c], self.res_v[i, :, :c]))
+            s = self.sinks[i]
+            c = (self.r_lens[i] - s - cfg.residual_length) // cfg.group_size * cfg.group_size
+            items.append((i, self.res_k[i, :, s:s + c], self.res_v[i, :, s:s + c]))
         self._write_groups(items)  # copies the groups out before the shift below
         for i, kc, _ in items:
-            c, r = kc.shape[1], self.r_lens[i]
-            self.res_k[i, :, : r - c] = self.res_k[i, :, c:r].clone()
-            self.res_v[i, :, : r - c] = self.res_v[i, :, c:r].clone()
+            c, r, s = kc.shape[1], self.r_lens[i], self.sinks[i]
+            self.res_k[i, :, s:r - c] = self.res_k[i, :, s + c:r].clone()
+            self.res_v[i, :, s:r - c] = self.res_v[i, :, s + c:r].clone()
             self.r_lens[i] = r - c
         self._dev = None
 
@@ -169,7 +176,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self.pads[i] += n_new - n
             r = self.r_lens[i]
             total = r + n
-            c = max(0, (total - cfg.residual_length) // cfg.group_size * cfg.group_size)
+            s = min(cfg.sink_length, total)  # sinks are the sequence's first tokens: r == sinks until full
+            c = max(0, (total - s - cfg.residual_length) // cfg.group_size * cfg.group_size)
             if c == 0:
                 self.res_k[i, :, r:total] = nk
                 self.res_v[i, :, r:total] = nv
@@ -177,9 +185,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 if r:
                     nk = torch.cat([self.res_k[i, :, :r], nk], dim=1)
                     nv = torch.cat([self.res_v[i, :, :r], nv], dim=1)
-                items.append((i, nk[:, :c], nv[:, :c]))
-                self.res_k[i, :, : total - c] = nk[:, c:]
-                self.res_v[i, :, : total - c] = nv[:, c:]
+                items.append((i, nk[:, s:s + c], nv[:, s:s + c]))
+                self.res_k[i, :, :s] = nk[:, :s]
+                self.res_v[i, :, :s] = nv[:, :s]
+                self.res_k[i, :, s:total - c] = nk[:, s + c:]
+                self.res_v[i, :, s:total - c] = nv[:, s + c:]
+            self.sinks[i] = s
             self.r_lens[i] = total - c
         self._write_groups(items)
         self._dev = None
@@ -267,12 +278,14 @@ class QuantizedPagedLayer(CacheLayerMixin):
         qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits,
                                       group_size=cfg.group_size, max_len=max(self.q_lens))
         for i in range(b):
-            q, r = self.q_lens[i], self.r_lens[i]
-            start = length - q - r
-            k[i, :, start:start + q] = qk[i, :, :q]
-            v[i, :, start:start + q] = qv[i, :, :q]
-            k[i, :, start + q:length] = self.res_k[i, :, :r]
-            v[i, :, start + q:length] = self.res_v[i, :, :r]
+            q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
+            start = length - q - r  # timeline: [pads][sinks][quantized][newest]
+            k[i, :, start:start + s] = self.res_k[i, :, :s]
+            v[i, :, start:start + s] = self.res_v[i, :, :s]
+            k[i, :, start + s:start + s + q] = qk[i, :, :q]
+            v[i, :, start + s:start + s + q] = qv[i, :, :q]
+            k[i, :, start + s + q:length] = self.res_k[i, :, s:r]
+            v[i, :, start + s + q:length] = self.res_v[i, :, s:r]
         return k, v
 
     # ------------------------------------------------- sizes, as transformers asks
@@ -310,6 +323,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.q_lens = [self.q_lens[i] for i in index]
         self.r_lens = [self.r_lens[i] for i in index]
         self.pads = [self.pads[i] for i in index]
+        self.sinks = [self.sinks[i] for i in index]
         rows = torch.tensor(index, dtype=torch.long, device=self.device)
         self.res_k = self.res_k.index_select(0, rows)
         self.res_v = self.res_v.index_select(0, rows)
@@ -340,19 +354,23 @@ class QuantizedPagedLayer(CacheLayerMixin):
         cfg = self.cfg
         g, p = cfg.group_size, cfg.page_size
         for i in range(self.batch_size):
-            drop = min(remove, self.q_lens[i] + self.r_lens[i])
-            if drop <= self.r_lens[i]:
-                self.r_lens[i] -= drop
+            q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
+            drop = min(remove, q + r)  # newest first: window tokens, then pages, then sinks
+            if drop <= r - s:
+                self.r_lens[i] = r - drop
                 continue
-            keep_q = self.q_lens[i] + self.r_lens[i] - drop  # tokens that stay, all in pages now
-            start = keep_q // g * g  # the partial group goes back to the residual window
+            keep_q = q + (r - s) - drop  # tokens that stay in pages (negative: sinks go too)
+            start = max(0, keep_q) // g * g  # a partial group goes back to the residual window
             if keep_q > start:
                 bt, ql, _ = self._device_state()
                 dk, dv = ops.dequantize_pages(bt[i:i + 1], ql[i:i + 1], *self.pool.args(), key_bits=cfg.key_bits,
                                               value_bits=cfg.value_bits, group_size=g, max_len=keep_q)
-                self.res_k[i, :, : keep_q - start] = dk[0, :, start:keep_q]
-                self.res_v[i, :, : keep_q - start] = dv[0, :, start:keep_q]
-            self.r_lens[i] = keep_q - start
+                self.res_k[i, :, s:s + keep_q - start] = dk[0, :, start:keep_q]
+                self.res_v[i, :, s:s + keep_q - start] = dv[0, :, start:keep_q]
+            if keep_q >= 0:
+                self.r_lens[i] = s + keep_q - start
+            else:
+                self.sinks[i] = self.r_lens[i] = s + keep_q
             self.q_lens[i] = start
             n_pages = -(-start // p)
             self.pool.release(self.tables[i][n_pages:])

@@ -16,6 +16,7 @@ BAD = [
     ("page_size", 0, r"page_size must be an integer >= 1"),
     ("page_size", 48, r"page_size must be a multiple of group_size \(32\)"),
     ("num_pages", -2, r"num_pages must be an integer >= 0"),
+    ("sink_length", -1, r"sink_length must be an integer >= 0"),
 ]
 
 
