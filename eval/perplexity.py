@@ -58,6 +58,14 @@ ROWS = {
                  label="kivi k4 v2 g32 r128"),
     "k2v4": dict(kind="kivi", key_bits=2, value_bits=4, group_size=32, residual_length=128,
                  label="kivi k2 v4 g32 r128"),
+    # probes of int2's error sources: some layers at 8 bits, the rest at 2
+    "int2-l0-int8": dict(kind="kivi-layers", key_bits=2, value_bits=2, group_size=32, residual_length=128,
+                         high_layers=[0], high_bits=8, label="kivi int2, layer 0 at int8"),
+    "int2-l01-int8": dict(kind="kivi-layers", key_bits=2, value_bits=2, group_size=32, residual_length=128,
+                          high_layers=[0, 1], high_bits=8, label="kivi int2, layers 0-1 at int8"),
+    "int2-worst4-int8": dict(kind="kivi-layers", key_bits=2, value_bits=2, group_size=32, residual_length=128,
+                             high_layers="worst4", high_bits=8,
+                             label="kivi int2, the 4 layers of largest 2-bit key error at int8"),
     "quanto4": dict(kind="hf", backend="quanto", nbits=4, q_group_size=32, residual_length=128,
                     label="HF QuantizedCache quanto 4b g32 r128"),
     "quanto2": dict(kind="hf", backend="quanto", nbits=2, q_group_size=32, residual_length=128,
@@ -129,12 +137,80 @@ def make_cache(spec: dict, model):
         kw = {k: spec[k] for k in ("key_bits", "value_bits", "group_size", "residual_length", "page_size")
               if k in spec}
         return kivi_cache.QuantizedPagedCache(**kw)
+    if kind == "kivi-layers":
+        high = spec["high_layers"]
+        if high == "worst4":
+            high = spec["_worst4"]  # filled by evaluate_rows from the 2-bit error profile
+        return PerLayerBitsCache({i: spec["high_bits"] for i in high}, key_bits=spec["key_bits"],
+                                 value_bits=spec["value_bits"], group_size=spec["group_size"],
+                                 residual_length=spec["residual_length"])
     if kind == "hf":
         from transformers import QuantizedCache
 
         return QuantizedCache(backend=spec["backend"], config=model.config, nbits=spec["nbits"],
                               q_group_size=spec["q_group_size"], residual_length=spec["residual_length"])
     raise ValueError(f"unknown cache kind {kind!r}")
+
+
+def _per_layer_cache_class():
+    from kivi_cache import QuantConfig, QuantizedPagedCache
+    from kivi_cache.layer import QuantizedPagedLayer
+
+    class PerLayerBitsCache(QuantizedPagedCache):
+        """A probe (not a library feature): chosen layers at ``bits`` for keys and values, the rest as given."""
+
+        def __init__(self, layer_bits: dict[int, int], **kw):
+            super().__init__(**kw)
+            self.layer_bits = dict(layer_bits)
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            while len(self.layers) <= layer_idx:
+                i = len(self.layers)
+                cfg = self.quant_config
+                if i in self.layer_bits:
+                    b = self.layer_bits[i]
+                    cfg = QuantConfig(**{**cfg.to_dict(), "key_bits": b, "value_bits": b})
+                self.layers.append(QuantizedPagedLayer(cfg))
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return PerLayerBitsCache
+
+
+def PerLayerBitsCache(layer_bits, **kw):  # noqa: N802  (a class built lazily: no kivi_cache import at load)
+    return _per_layer_cache_class()(layer_bits, **kw)
+
+
+@torch.no_grad()
+def quant_error_profile(model, ids: torch.Tensor, bits: int = 2, group_size: int = 32, start: int = 64) -> dict:
+    """Per layer: relative error (Frobenius) of KIVI-quantized keys (per channel) and values (per token)
+    of the first ``T - T % group_size`` tokens of ``ids`` (full-precision cache of one forward pass),
+    and the key error of the first group (positions 0..group_size-1, holding the attention sink)
+    against the other groups. Also the share of key energy in the 4 largest-magnitude channels."""
+    from transformers import DynamicCache
+
+    from kivi_cache import cache_kwargs, quant
+
+    cache = DynamicCache()
+    model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+    t = ids.shape[1] // group_size * group_size
+    layers = []
+    for layer in cache.layers:
+        k, v = layer.keys[:, :, :t].float(), layer.values[:, :, :t].float()
+        kq = quant.dequantize_keys(*quant.quantize_keys(k, bits, group_size), group_size, torch.float32)
+        vq = quant.dequantize_values(*quant.quantize_values(v, bits, group_size), group_size, torch.float32)
+        ek = (kq - k).pow(2).sum((0, 1, 3))  # per position
+        nk = k.pow(2).sum((0, 1, 3))
+        g = group_size
+        chan = k.pow(2).sum((0, 1, 2))
+        layers.append({
+            "key_rel_err": float((ek.sum() / nk.sum()).sqrt()),
+            "value_rel_err": float(((vq - v).pow(2).sum() / v.pow(2).sum()).sqrt()),
+            "key_rel_err_first_group": float((ek[:g].sum() / nk[:g].sum()).sqrt()),
+            "key_rel_err_other_groups": float((ek[g:].sum() / nk[g:].sum()).sqrt()) if t > g else None,
+            "key_norm_pos0_over_mean": float(nk[0].sqrt() / nk[1:].sqrt().mean()),
+            "key_energy_top4_channels": float(chan.topk(4).values.sum() / chan.sum()),
+        })
+    return {"bits": bits, "group_size": group_size, "tokens": t, "layers": layers}
 
 
 def _tensor_bytes(t) -> int:
@@ -282,6 +358,14 @@ def evaluate_rows(model, ids: torch.Tensor, row_names: list[str], start: int = 6
     if row_names[0] != "fp":
         row_names = ["fp"] + [r for r in row_names if r != "fp"]
     out: dict = {"rows": []}
+    if any(specs[n].get("high_layers") == "worst4" for n in row_names):
+        prof = quant_error_profile(model, ids)
+        errs = [layer["key_rel_err"] for layer in prof["layers"]]
+        worst = sorted(range(len(errs)), key=lambda i: -errs[i])[:4]
+        out["int2_error_profile"] = prof
+        for n in row_names:
+            if specs[n].get("high_layers") == "worst4":
+                specs[n] = {**specs[n], "_worst4": sorted(worst)}
     ref_nll = ref_top1 = None
     for name in row_names:
         spec = specs[name]
@@ -351,7 +435,7 @@ def plot_quality_vs_bytes(rows: list[dict], path, title: str = ""):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = {"fp": "black", "kivi": "tab:blue", "hf": "tab:orange"}
+    colors = {"fp": "black", "kivi": "tab:blue", "kivi-layers": "tab:green", "hf": "tab:orange"}
     for r in rows:
         if "error" in r:
             continue
@@ -364,11 +448,20 @@ def plot_quality_vs_bytes(rows: list[dict], path, title: str = ""):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV bytes / element (fp16-model accounting: scales, zeros, residual at 2 B)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("perplexity change vs full precision (%)")
+    axes[0].set_ylabel("perplexity change vs full precision (%, symlog)")
+    axes[0].set_yscale("symlog", linthresh=1)
     axes[0].axhline(0, color="gray", lw=0.8)
+    axes[0].axhline(6, color="tab:red", lw=0.8, ls="--")
+    axes[0].annotate("int2 target +6%", (axes[0].get_xlim()[0], 6), fontsize=7, color="tab:red",
+                     xytext=(3, 3), textcoords="offset points")
+    axes[1].axhline(85, color="tab:red", lw=0.8, ls="--")
+    axes[1].annotate("int2 target 85%", (axes[1].get_xlim()[0], 85), fontsize=7, color="tab:red",
+                     xytext=(3, -10), textcoords="offset points")
     axes[1].set_ylabel("top-1 next-token agreement with full precision (%)")
     axes[0].scatter([], [], color="tab:blue", label="kivi_cache")
     axes[0].scatter([], [], color="tab:orange", label="transformers QuantizedCache")
+    if any(r.get("spec", {}).get("kind") == "kivi-layers" for r in rows):
+        axes[0].scatter([], [], color="tab:green", label="kivi_cache, per-layer bits (probe)")
     axes[0].scatter([], [], color="black", label="DynamicCache")
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "SmolLM2-135M streaming perplexity vs KV-cache bytes", fontsize=10)
@@ -416,6 +509,9 @@ def parse_args(argv=None):
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-full-check", action="store_true", help="skip the full-forward reference check")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw --plot from a saved result")
+    p.add_argument("--error-profile", action="store_true",
+                   help="also record the per-layer 2-bit quantization error of the keys and values")
     args = p.parse_args(argv)
     if args.quick:
         args.docs, args.tokens = 1, 200
@@ -430,6 +526,14 @@ def parse_args(argv=None):
 
 def main(argv=None, model_and_tokenizer=None) -> dict:
     args = parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        st = saved["settings"]
+        title = (f"SmolLM2-135M streaming perplexity ({st['docs']} docs x {st['tokens']} tokens, "
+                 f"prefill {st['start']}, chunk {st['chunk']})")
+        plot_quality_vs_bytes(saved["rows"], args.plot, title)
+        print(f"wrote {args.plot}")
+        return saved
     torch.set_num_threads(args.threads)
     if model_and_tokenizer is None:
         from kivi_cache.models import load_smollm2
@@ -448,6 +552,8 @@ def main(argv=None, model_and_tokenizer=None) -> dict:
     t0 = time.time()
     res = evaluate_rows(model, ids, args.rows, start=args.start, chunk=args.chunk,
                         progress=not args.no_progress, check_full_forward=not args.no_full_check)
+    if args.error_profile and "int2_error_profile" not in res:
+        res["int2_error_profile"] = quant_error_profile(model, ids)
     elapsed = time.time() - t0
     chk = res.get("reference_check")
     if chk:
