@@ -359,3 +359,19 @@ def test_crop_with_sinks(remove):
     assert layer.pool.pages_in_use == -(-layer.q_lens[0] // SMALL["page_size"])
     stepwise_logits(model, torch.randint(0, 128, (1, 20)), cache, 1)  # keeps working
     assert cache.get_seq_length() == n + 20
+
+
+def test_each_layer_keeps_its_pages_on_its_own_device():
+    """device_map="auto" puts layers on different devices; each layer's pool, window and block table
+    must follow its own keys. Without GPUs, the meta device stands in for a second device."""
+    cache = QuantizedPagedCache(key_bits=4, value_bits=2, **SMALL)
+    for layer_idx, device in enumerate(("cpu", "meta", "cpu")):
+        k = torch.randn(2, 2, 70, 32, device=device)
+        cache.update(k, k, layer_idx)
+        layer = cache.layers[layer_idx]
+        layer.commit(layer.pending)  # store: quantize and write 48 tokens per sequence into pages
+    for layer, device in zip(cache.layers, ("cpu", "meta", "cpu")):
+        assert layer.q_lens == [48, 48]
+        assert all(t.device.type == device for t in layer.pool.tensors.values())
+        assert layer.res_k.device.type == device
+        assert all(t.device.type == device for t in layer._device_state())
