@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kivi_cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, cache_kwargs  # noqa: E402
-from kivi_cache.models import load_smollm2, sample_text  # noqa: E402
+from kivi_cache.models import leading_agreement, load_smollm2, sample_text  # noqa: E402
 
 CACHES = {8: Int8PagedCache, 4: Int4PagedCache, 2: Int2PagedCache}
 QUESTION = "Summarize the passage above in three sentences: who are the characters and what do they want?"
@@ -39,15 +39,6 @@ def clip(text: str, tokenizer, max_tokens: int) -> str:
     if not kept:
         return tokenizer.decode(tokenizer(paragraphs[0]).input_ids[:max_tokens])
     return "\n\n".join(kept)
-
-
-def leading_agreement(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def generate(model, ids, mask, cache, max_new_tokens: int):

@@ -80,3 +80,13 @@ def sample_path() -> Path:
 
 def sample_text() -> str:
     return sample_path().read_text(encoding="utf-8")
+
+
+def leading_agreement(a, b) -> int:
+    """How many leading tokens two generated sequences share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

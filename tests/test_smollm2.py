@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kivi_cache import Int4PagedCache, Int8PagedCache, cache_kwargs
-from kivi_cache.models import austen_chapters, sample_text
+from kivi_cache.models import austen_chapters, leading_agreement, sample_text
 
 pytestmark = [
     pytest.mark.slow,
@@ -84,15 +84,6 @@ def _greedy(model, ids, cache) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def _leading_agreement(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @pytest.fixture(scope="module")
 def agreement(smollm2):
     """{passage: {"prompt": n, "int8": agree, "int4": agree}} from one run of every cache on every passage."""
@@ -113,7 +104,7 @@ def agreement(smollm2):
             assert report.quantized_tokens > 0, f"{label} cache quantized nothing on {name}"
             assert report.quantized_tokens >= model.config.num_hidden_layers * (ids.shape[1] - 128 - 32)
             assert report.codes > 0
-            row[label] = _leading_agreement(tokens, ref)
+            row[label] = leading_agreement(tokens, ref)
         results[name] = row
     print("\nSmolLM2 greedy agreement (leading tokens of 48):", results)
     return results
