@@ -1,7 +1,7 @@
 """lm-evaluation-harness integration: the model type ``kivi``.
 
     python -m kivi_cache.lm_eval --model kivi \\
-        --model_args pretrained=PATH_OR_HUB_ID,preset=int2,device=cpu \\
+        --model_args pretrained=PATH_OR_HUB_ID,preset=int2 --device cpu \\
         --tasks austen_ppl --include_path eval/tasks --limit 4
 
 ``python -m kivi_cache.lm_eval`` (console script ``kivi-lm-eval``) takes exactly the flags
