@@ -91,10 +91,15 @@ def build_prompt(tokenizer, hay: list[int], length: int, depth: float, needle: s
 
 
 def make_cache(name: str):
+    """``fp``, the presets ``int8``/``int4``/``int2`` (as the library defines them now), or
+    ``int4-nosink``/``int2-nosink`` (group 32, residual 128, no full-precision sink tokens)."""
     from transformers import DynamicCache
 
     import kivi_cache
 
+    if name.endswith("-nosink"):
+        bits = int(name[3])
+        return kivi_cache.QuantizedPagedCache(key_bits=bits, value_bits=bits, group_size=32, residual_length=128)
     return {"fp": DynamicCache, "int8": kivi_cache.Int8PagedCache, "int4": kivi_cache.Int4PagedCache,
             "int2": kivi_cache.Int2PagedCache}[name]()
 
@@ -131,8 +136,11 @@ def run_grid(model, tokenizer, texts, lengths, depths, caches=CACHES, new_tokens
     for n, d, c in tqdm(cells, disable=not progress, desc="needle"):
         ids = build_prompt(tokenizer, hay, n, d / 100, needle)
         t0 = time.time()
-        answer = greedy_answer(model, tokenizer, ids, make_cache(c), new_tokens, prefill_chunk)
-        rows.append({"length": n, "prompt_tokens": len(ids), "depth_pct": d, "cache": c, "answer": answer,
+        cache = make_cache(c)
+        answer = greedy_answer(model, tokenizer, ids, cache, new_tokens, prefill_chunk)
+        cfg = cache.quant_config.to_dict() if hasattr(cache, "quant_config") else None
+        rows.append({"length": n, "prompt_tokens": len(ids), "depth_pct": d, "cache": c, "cache_config": cfg,
+                     "answer": answer,
                      "found": code in answer, "seconds": round(time.time() - t0, 1)})
         if progress:
             tqdm.write(f"{n:6d} {d:4d}% {c:5s} {'OK ' if code in answer else 'miss'} {answer!r}")

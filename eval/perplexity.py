@@ -45,9 +45,15 @@ RESULTS = HERE / "results"
 # kind "fp": transformers DynamicCache; "kivi": kivi_cache; "hf": transformers QuantizedCache
 ROWS = {
     "fp": dict(kind="fp", label="full precision (DynamicCache)"),
-    "int8": dict(kind="kivi", preset="int8", label="kivi int8 g32 r128"),
-    "int4": dict(kind="kivi", preset="int4", label="kivi int4 g32 r128"),
-    "int2": dict(kind="kivi", preset="int2", label="kivi int2 g32 r128"),
+    # presets: their settings at run time are recorded in each row's "cache_config"
+    # (since 2026-11-29 20:09 the presets keep 4 attention-sink tokens in full precision)
+    "int8": dict(kind="kivi", preset="int8", label="kivi Int8PagedCache preset"),
+    "int4": dict(kind="kivi", preset="int4", label="kivi Int4PagedCache preset"),
+    "int2": dict(kind="kivi", preset="int2", label="kivi Int2PagedCache preset"),
+    "int4-nosink": dict(kind="kivi", key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=0,
+                        label="kivi int4 g32 r128, no sinks"),
+    "int2-nosink": dict(kind="kivi", key_bits=2, value_bits=2, group_size=32, residual_length=128, sink_length=0,
+                        label="kivi int2 g32 r128, no sinks (plain KIVI-2)"),
     "int4-g32-r32": dict(kind="kivi", key_bits=4, value_bits=4, group_size=32, residual_length=32,
                          label="kivi int4 g32 r32"),
     "int2-g32-r32": dict(kind="kivi", key_bits=2, value_bits=2, group_size=32, residual_length=32,
@@ -134,8 +140,8 @@ def make_cache(spec: dict, model):
                    "int2": kivi_cache.Int2PagedCache}
         if "preset" in spec:
             return presets[spec["preset"]]()
-        kw = {k: spec[k] for k in ("key_bits", "value_bits", "group_size", "residual_length", "page_size")
-              if k in spec}
+        kw = {k: spec[k] for k in ("key_bits", "value_bits", "group_size", "residual_length", "page_size",
+                                   "sink_length") if k in spec}
         return kivi_cache.QuantizedPagedCache(**kw)
     if kind == "kivi-layers":
         high = spec["high_layers"]
@@ -404,6 +410,8 @@ def evaluate_rows(model, ids: torch.Tensor, row_names: list[str], start: int = 6
         row["top1_agreement"] = float((top1 == ref_top1).float().mean())
         row["delta_nll_by_position"] = _buckets(nll - ref_nll)
         row["memory"] = kv_bytes(cache, model)
+        if hasattr(cache, "quant_config"):
+            row["cache_config"] = cache.quant_config.to_dict()
         out["rows"].append(row)
         del cache
     return out

@@ -10,9 +10,9 @@ In Python, importing this module registers ``kivi``; then use ``lm_eval.simple_e
 
 Model arguments (``--model_args``), on top of every ``hf`` argument:
 
-* ``preset``: ``int8``, ``int4``, ``int2`` (kivi_cache presets: group 32, residual 128) or ``fp``
+* ``preset``: ``int8``, ``int4``, ``int2`` (kivi_cache presets: group 32, residual 128, 4 sink tokens) or ``fp``
   (transformers' ``DynamicCache`` through the same scoring scheme: the reference);
-* ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``: an explicit
+* ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``, ``sink_length``: an explicit
   ``QuantizedPagedCache`` (they override the preset's values);
 * ``prefill_tokens`` (default 64), ``stream_tokens`` (default: all), ``chunk`` (default 1): the
   loglikelihood scheme below;
@@ -63,7 +63,7 @@ from .compat import cache_kwargs
 __all__ = ["KiviLM", "main"]
 
 _PRESETS = {"int8": Int8PagedCache, "int4": Int4PagedCache, "int2": Int2PagedCache, "fp": None}
-_CACHE_KEYS = ("key_bits", "value_bits", "group_size", "residual_length", "page_size")
+_CACHE_KEYS = ("key_bits", "value_bits", "group_size", "residual_length", "page_size", "sink_length")
 
 
 class KiviLM(HFLM):
@@ -71,12 +71,14 @@ class KiviLM(HFLM):
 
     def __init__(self, pretrained="smollm2", preset: str | None = None, key_bits: int | None = None,
                  value_bits: int | None = None, group_size: int | None = None, residual_length: int | None = None,
-                 page_size: int | None = None, prefill_tokens: int = 64, stream_tokens: int | None = None,
+                 page_size: int | None = None, sink_length: int | None = None, prefill_tokens: int = 64,
+                 stream_tokens: int | None = None,
                  chunk: int = 1, **kwargs):
         if preset is not None and preset not in _PRESETS:
             raise ValueError(f"preset must be one of {sorted(_PRESETS)}, got {preset!r}")
         overrides = {k: int(v) for k, v in zip(_CACHE_KEYS, (key_bits, value_bits, group_size, residual_length,
-                                                             page_size), strict=True) if v is not None}
+                                                             page_size, sink_length), strict=True)
+                     if v is not None}
         if preset == "fp" and overrides:
             raise ValueError(f"preset=fp (DynamicCache) takes no cache settings, got {sorted(overrides)}")
         self.preset = preset if (preset is not None or overrides) else "int4"
