@@ -220,7 +220,7 @@ def setup_quanto(use_ext: bool) -> dict:
         if not is_optimum_quanto_available():
             raise ImportError("transformers does not see optimum-quanto (is_optimum_quanto_available() is False)")
     except Exception as exc:  # ImportError, or a broken install
-        return {"available": False, "error": err_text(exc), "unpack": None}
+        return {"available": False, "error": f"optimum-quanto not usable: {err_text(exc)}", "unpack": None}
     info = {"available": True, "version": getattr(oq, "__version__", "?"), "error": None}
     if use_ext:
         info["unpack"] = "quanto extension (compiled on first use)"
