@@ -403,6 +403,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         frac = live_q / c.page_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         live_r = sum(self.r_lens)
+        live_s = sum(self.sinks)
         residual_alloc = 0 if self.res_k is None else 2 * self.res_k.numel() * elem
         pages_used = self.pool.pages_in_use
         return {
@@ -412,6 +413,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
             "scales": int(per_page["scales"] * frac),
             "zeros": int(per_page["zeros"] * frac),
             "residual": 2 * live_r * h * d * elem,
+            "sink_tokens": live_s,
+            "sinks": 2 * live_s * h * d * elem,
             "residual_allocated": residual_alloc,
             "pool_allocated": self.pool.allocated_bytes(),
             "pages_total": self.pool.capacity,

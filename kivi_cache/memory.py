@@ -12,7 +12,8 @@ class MemoryReport:
     """Bytes by kind, summed over layers.
 
     ``codes``, ``scales``, ``zeros``: live quantized tokens (pages in use, counted
-    by the tokens they hold); ``residual``: live full-precision tokens;
+    by the tokens they hold); ``residual``: live full-precision tokens, of which
+    ``sinks`` are the attention-sink tokens (``sink_tokens`` token-layers);
     ``pool_slack``: allocated but unused bytes (free pages, unfilled page slots,
     unused residual slots); ``pool_allocated``: everything the cache allocated;
     ``fp16_equivalent``: an fp16 cache of the same tokens.
@@ -24,6 +25,8 @@ class MemoryReport:
     scales: int = 0
     zeros: int = 0
     residual: int = 0
+    sink_tokens: int = 0
+    sinks: int = 0
     pool_slack: int = 0
     allocated: int = 0
     fp16_equivalent: int = 0
@@ -38,7 +41,7 @@ class MemoryReport:
             if not s:
                 continue
             for name in ("quantized_tokens", "residual_tokens", "codes", "scales", "zeros", "residual",
-                         "fp16_equivalent", "pages_total", "pages_in_use"):
+                         "sink_tokens", "sinks", "fp16_equivalent", "pages_total", "pages_in_use"):
                 setattr(r, name, getattr(r, name) + s[name])
             alloc = s["pool_allocated"] + s["residual_allocated"]
             r.allocated += alloc
@@ -63,7 +66,8 @@ class MemoryReport:
     def __str__(self) -> str:
         rows = [
             ("codes", self.codes), ("scales", self.scales), ("zero points", self.zeros),
-            ("residual window (fp)", self.residual), ("live total", self.live),
+            ("residual window (fp)", self.residual), ("  of which sinks", self.sinks),
+            ("live total", self.live),
             ("pool slack", self.pool_slack), ("allocated", self.allocated),
             ("fp16 cache of same tokens", self.fp16_equivalent),
         ]

@@ -276,6 +276,11 @@ def test_memory_report_counts_bytes_exactly():
     assert rep.codes == 2 * q * h * d * (2 + 4) // 8
     assert rep.scales == rep.zeros == 2 * (q // g * h * d + q * h * (d // g)) * 4  # fp32 model
     assert rep.residual == 2 * 2 * r * h * d * 4
+    assert rep.sink_tokens == 0 and rep.sinks == 0  # this cache keeps no sinks
+    with_sinks = QuantizedPagedCache(key_bits=2, value_bits=4, sink_length=3, **SMALL)
+    stepwise_logits(model, torch.randint(0, 128, (2, 100)), with_sinks, 40)
+    assert with_sinks.memory_report().sink_tokens == 2 * 2 * 3  # layers x sequences x sinks
+    assert with_sinks.memory_report().sinks == 2 * 2 * 3 * 2 * h * d * 4
     assert rep.fp16_equivalent == 2 * 2 * (q + r) * h * d * 2
     assert rep.allocated == rep.live + rep.pool_slack and rep.pool_slack >= 0
     assert rep.compression == pytest.approx(rep.fp16_equivalent / rep.live)
