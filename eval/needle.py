@@ -91,11 +91,20 @@ def build_prompt(tokenizer, hay: list[int], length: int, depth: float, needle: s
 
 
 def make_cache(name: str):
-    """``fp``, the presets ``int8``/``int4``/``int2`` (as the library defines them now), or
-    ``int4-nosink``/``int2-nosink`` (group 32, residual 128, no full-precision sink tokens)."""
+    """``fp``, the presets ``int8``/``int4``/``int2`` (as the library defines them now),
+    ``int4-nosink``/``int2-nosink`` (group 32, residual 128, no full-precision sink tokens), or
+    ``kivi:ARGS`` with QuantizedPagedCache keyword arguments, e.g.
+    ``kivi:key_bits=4+value_bits=2+group_size=64+sink_length=4`` (``+`` between arguments)."""
     from transformers import DynamicCache
 
     import kivi_cache
+
+    if name.startswith("kivi:"):
+        kw = {}
+        for item in name[5:].split("+"):
+            key, _, value = item.partition("=")
+            kw[key.strip()] = int(value)
+        return kivi_cache.QuantizedPagedCache(**kw)
 
     if name.endswith("-nosink"):
         bits = int(name[3])
