@@ -10,7 +10,7 @@ In Python, importing this module registers ``kivi``; then use ``lm_eval.simple_e
 
 Model arguments (``--model_args``), on top of every ``hf`` argument:
 
-* ``preset``: ``int8``, ``int4``, ``int2`` (kivi_cache presets: group 32, residual 128, 4 sink tokens) or ``fp``
+* ``preset``: ``int8``, ``int4``, ``int2`` (the kivi_cache presets, see kivi_cache.cache) or ``fp``
   (transformers' ``DynamicCache`` through the same scoring scheme: the reference);
 * ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``, ``sink_length``: an explicit
   ``QuantizedPagedCache`` (they override the preset's values);

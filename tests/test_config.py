@@ -32,7 +32,8 @@ def test_presets_defaults_and_overrides():
     c4, c2 = Int4PagedCache(), Int2PagedCache(residual_length=64)
     assert (c4.quant_config.key_bits, c4.quant_config.value_bits, c4.quant_config.group_size,
             c4.quant_config.residual_length, c4.quant_config.sink_length) == (4, 4, 32, 128, 4)
-    assert (c2.quant_config.key_bits, c2.quant_config.residual_length) == (2, 64)
+    assert (c2.quant_config.key_bits, c2.quant_config.value_bits, c2.quant_config.group_size,
+            c2.quant_config.residual_length) == (4, 2, 64, 64)
     with pytest.raises(ValueError, match="key_bits"):
         Int4PagedCache(key_bits=5)
 
