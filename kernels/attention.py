@@ -7,12 +7,16 @@ Kernel 1 (``_decode_split_kernel``), grid ``(B * Hkv, NS + 1)``. Program
 one ``[GP, D]`` tile (``GP`` = GROUP padded to >= 16 for ``tl.dot``), so every
 page is read once per KV head. For ``s < NS`` it walks its share of the
 sequence's pages (``ceil(pages_b / NS)`` pages each, computed in-kernel from
-``lengths[b]``: no host sync) ``BLOCK`` tokens at a time: the key and value
-tiles are dequantized in registers from the packed codes (scales/zeros loaded
-once per group), ``S = Q K^T`` and ``acc += P V`` run on tensor cores, with an
-online (exp2) softmax. Split ``s = NS`` handles the full-precision residual
-window ``res_k/res_v[b, h, :res_lengths[b]]``. Each program writes its
-partial ``(max, sum, acc)`` to an fp32 workspace ``[B * Hq, NS + 1, (D)]``.
+``lengths[b]``: no host sync) one key group (G tokens) per step. Codes are
+loaded as contiguous planar bytes, converted to fp16 with the magic-number
+trick (no integer-to-float instructions) and dequantized elementwise with
+scales broadcast in registers (keys: one [D] row per group; values: one value
+per token and channel group); ``S = Q K^T`` takes one ``tl.dot`` per packed key
+chunk and ``P V`` one per value sub-tile (its own accumulator), with an online
+(exp2) softmax. Split ``s = NS`` handles the full-precision residual window
+(attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``. Each program
+writes its partial ``(max, sum, acc)`` to an fp32 workspace ``[B * Hq, NS + 1, (D)]``.
+Diagnostics (``_probe``, ``_prefetch``) are for ``eval/probe_decode.py``.
 
 Kernel 2 (``_decode_reduce_kernel``), grid ``(B * Hq,)``, merges the
 ``NS + 1`` partials with the log-sum-exp rule and writes ``out`` in q's dtype.
@@ -38,20 +42,19 @@ import triton
 import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
-from .dequant import _key_tile, _value_tile, dequantize_pages
+from .dequant import dequantize_pages
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _softmax_step(s, valid, m_i, l_i, acc, v, DT: tl.constexpr, PREC: tl.constexpr):
-    s = tl.where(valid, s, float("-inf"))
+def _online_softmax(s, m_i, l_i):
+    """One online-softmax step over scores ``s`` [GP, N] (exp2 domain; masked entries are -inf).
+    Returns the new running max and sum, the rescale factor for the accumulators, and p."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT), input_precision=PREC)
-    return m_new, l_i, acc
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
 
 
 @triton.jit
@@ -209,11 +212,7 @@ def _decode_split_kernel(
                 kk = _codes_to((kraw >> (k * KBITS)) & KMASK, DT, KCODEC) * ks[None, :] + kz[None, :]
                 s += tl.dot(qk, tl.trans(kk.to(DT)), input_precision=PREC)
             s = tl.where(tvalid[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
             pd = p.to(DT)
             vrow = vc_h + page * s_vcp + tp[:, None] * s_vct
             svrow = page * s_vsp + tp * s_vst
@@ -244,11 +243,7 @@ def _decode_split_kernel(
             kk = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kk.to(tl.float32).to(DT)), input_precision=PREC) * qk_scale
             s = tl.where(tvalid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
             pd = p.to(DT)
             for gi in tl.static_range(NW):
                 cols = gi * W + offs_c
