@@ -57,11 +57,6 @@ class QuantConfig:
                 f"got page_size={self.page_size}"
             )
 
-    @property
-    def residual_capacity(self) -> int:
-        """Largest number of tokens the residual window holds between steps."""
-        return self.sink_length + self.residual_length + self.group_size - 1
-
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this configuration cannot store heads of ``head_dim`` channels."""
         if head_dim % self.group_size:
