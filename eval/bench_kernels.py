@@ -101,7 +101,7 @@ def make_pool(b, hkv, t_quant, d, p, g, kb, vb, device, gen):
 
 def pool_bytes(pool, b, hkv, t_quant, d, p, g, kb, vb, res, hq):
     codes = b * hkv * t_quant * d * (kb + vb) // 8
-    scales = b * hkv * (t_quant // g) * d * 2 * 2 + b * hkv * t_quant * (d // g) * 2 * 2
+    scales = b * hkv * (t_quant // g) * d * 2 * 2 + b * hkv * t_quant * (d // g) * 2 * 2  # fp16 scale + zero
     resid = 2 * b * hkv * res * d * 2
     qb = b * hq * d * 2 * 2  # q read + out written
     bt = pool["block_table"].numel() * 4
@@ -144,16 +144,21 @@ def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_
     def sdpa():
         return F.scaled_dot_product_attention(q4, kf, vf, enable_gqa=gqa)
 
-    pools = {bits: make_pool(b, hkv, t_quant, d, p, g, bits, bits, device, gen) for bits in (4, 2)}
     fns = {"fp16_sdpa": sdpa}
-    for bits, pool in pools.items():
-        a = decode_args(pool, q, rk, rv, rl, bits, bits, g, sm)
-        fns[f"int{bits}"] = (lambda a=a: KK.paged_decode_attention(*a))
-        row[f"int{bits}_rel_err"] = verify(pool, q, rk, rv, rl, bits, bits, g, sm,
-                                           256 if quick else 4096)
-        row[f"int{bits}_bytes"] = pool_bytes(pool, b, hkv, t_quant, d, p, g, bits, bits, res, hq)
+    configs = {"int4": (4, 4, g), "int2": (2, 2, g), "int2_k4v2g64": (4, 2, 64)}  # last: Int2PagedCache's
+    pools = {}
+    for name, (kb, vb, gg) in configs.items():
+        tq = t_quant // gg * gg
+        pool = pools[name] = make_pool(b, hkv, tq, d, p, gg, kb, vb, device, gen)
+        rl_c = torch.full((b,), ctx - tq, dtype=torch.int32, device=device)
+        rk_c = torch.randn(b, hkv, res + gg - 1, d, dtype=torch.float16, device=device, generator=gen)
+        rv_c = torch.randn_like(rk_c)
+        a = decode_args(pool, q, rk_c, rv_c, rl_c, kb, vb, gg, sm)
+        fns[name] = (lambda a=a: KK.paged_decode_attention(*a))
+        row[f"{name}_rel_err"] = verify(pool, q, rk_c, rv_c, rl_c, kb, vb, gg, sm, 256 if quick else 4096)
+        row[f"{name}_bytes"] = pool_bytes(pool, b, hkv, tq, d, p, gg, kb, vb, ctx - tq, hq)
     # quantize_and_write: one group per sequence (a decode step's flush), int4 pool
-    pool4 = pools[4]
+    pool4 = pools["int4"]
     kq = torch.randn(b, hkv, g, d, dtype=torch.float16, device=device, generator=gen)
     vq = torch.randn(b, hkv, g, d, dtype=torch.float16, device=device, generator=gen)
     pg = pool4["block_table"][:, 0].contiguous()
@@ -170,19 +175,20 @@ def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_
         row[f"{name}_ms"] = min(ts)
         row[f"{name}_ms_rounds"] = ts
     row["fp16_bytes"] = fp16_bytes + b * hq * d * 4
-    for name in ("fp16_sdpa", "int4", "int2"):
+    for name in ("fp16_sdpa", *configs):
         nbytes = row["fp16_bytes"] if name == "fp16_sdpa" else row[f"{name}_bytes"]
         ms = row[f"{name}_ms"]
         row[f"{name}_TBps"] = nbytes / (ms * 1e-3) / 1e12
         row[f"{name}_frac_copy_bw"] = nbytes / (ms * 1e-3) / bw
-    for bits in (4, 2):
-        row[f"int{bits}_speedup"] = row["fp16_sdpa_ms"] / row[f"int{bits}_ms"]
+    for name in configs:
+        row[f"{name}_speedup"] = row["fp16_sdpa_ms"] / row[f"{name}_ms"]
     row["quantize_frac_of_int4_decode"] = row["quantize_and_write_ms"] / row["int4_ms"]
     log(f"B={b:2d} KV={hkv:2d} ctx={ctx:6d}: fp16 {row['fp16_sdpa_ms']:.3f} ms "
         f"({row['fp16_sdpa_TBps']:.2f} TB/s) | int4 {row['int4_ms']:.3f} ms "
         f"({row['int4_TBps']:.2f} TB/s, x{row['int4_speedup']:.2f}, err {row['int4_rel_err']:.1e}) | "
         f"int2 {row['int2_ms']:.3f} ms ({row['int2_TBps']:.2f} TB/s, x{row['int2_speedup']:.2f}, "
-        f"err {row['int2_rel_err']:.1e}) | quant {row['quantize_and_write_ms']:.4f} ms")
+        f"err {row['int2_rel_err']:.1e}) | int2 k4v2g64 {row['int2_k4v2g64_ms']:.3f} ms "
+        f"(x{row['int2_k4v2g64_speedup']:.2f}) | quant {row['quantize_and_write_ms']:.4f} ms")
     return row
 
 
@@ -206,7 +212,7 @@ def main():
     quick = args.quick
     if quick:
         batches, kv_heads, contexts = [1, 2], [2], [256, 512]
-        hq, d, res, p, g = 8, 64, 32, 32, args.group_size
+        hq, d, res, p, g = 8, 64, 32, 64, args.group_size
         mem_limit = 1e9
     else:
         batches, kv_heads, contexts = [1, 8, 32], [8, 32], [4096, 32768, 131072]
@@ -286,7 +292,7 @@ def main():
             f"{r['int4_ms']:8.3f} {r['int4_TBps']:5.2f} {100 * r['int4_frac_copy_bw']:4.0f} {r['int4_speedup']:5.2f} | "
             f"{r['int2_ms']:8.3f} {r['int2_TBps']:5.2f} {100 * r['int2_frac_copy_bw']:4.0f} {r['int2_speedup']:5.2f} | "
             f"{r['quantize_and_write_ms']:8.4f} {r['quantize_frac_of_int4_decode']:6.3f}")
-    max_err = max([r.get(k, 0.0) for r in rows for k in ("int4_rel_err", "int2_rel_err")] + [s["rel_err"] for s in sweep])
+    max_err = max([r.get(k, 0.0) for r in rows for k in ("int4_rel_err", "int2_rel_err", "int2_k4v2g64_rel_err")] + [s["rel_err"] for s in sweep])
     log(f"max relative error vs reference over verified slices: {max_err:.2e}")
 
     result = dict(machine=machine, torch=torch.__version__, triton=triton.__version__, quick=quick,

@@ -139,9 +139,7 @@ def main():
             rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)
             rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
             nbytes = sum(x.numel() * x.element_size() for x in (kc, ks, ks, vc, vs, vs))
-            for name, kw, env in [("int%d" % bits, {}, {}), ("int%d-probe1-noscales" % bits, {"_probe": 1}, {}),
-                                  ("int%d-probe2-keysonly" % bits, {"_probe": 2}, {}),
-                                  ("int%d-prefetch" % bits, {"_prefetch": True}, {}),
+            for name, kw, env in [("int%d" % bits, {}, {}), ("int%d-plain-unpack" % bits, {"_plain": True}, {}),
                                   ("int%d-w2" % bits, {}, {"KIVI_DECODE_WARPS": "2"})]:
                 old = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)

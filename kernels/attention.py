@@ -2,21 +2,24 @@
 
 Decode, ``paged_decode_attention``
 ----------------------------------
-Kernel 1 (``_decode_split_kernel``), grid ``(B * Hkv, NS + 1)``. Program
-``(b, h, s)`` holds all ``GROUP = Hq // Hkv`` query heads of KV head ``h`` as
-one ``[GP, D]`` tile (``GP`` = GROUP padded to >= 16 for ``tl.dot``), so every
-page is read once per KV head. For ``s < NS`` it walks its share of the
-sequence's pages (``ceil(pages_b / NS)`` pages each, computed in-kernel from
-``lengths[b]``: no host sync) one key group (G tokens) per step. Codes are
-loaded as contiguous planar bytes, converted to fp16 with the magic-number
-trick (no integer-to-float instructions) and dequantized elementwise with
-scales broadcast in registers (keys: one [D] row per group; values: one value
-per token and channel group); ``S = Q K^T`` takes one ``tl.dot`` per packed key
-chunk and ``P V`` one per value sub-tile (its own accumulator), with an online
-(exp2) softmax. Split ``s = NS`` handles the full-precision residual window
-(attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``. Each program
-writes its partial ``(max, sum, acc)`` to an fp32 workspace ``[B * Hq, NS + 1, (D)]``.
-Diagnostics (``_probe``, ``_prefetch``) are for ``eval/probe_decode.py``.
+Kernel 1 (``_decode_split_kernel``), grid ``(B * Hkv, NS + 1)``, one warp per
+program. Program ``(b, h, s)`` holds all ``GROUP = Hq // Hkv`` query heads of KV
+head ``h``, so every page is read once per KV head. The MMAs are transposed so
+that tokens and channels fill the 16-row side and the query heads the narrow
+side: ``S^T = K q^T`` (``[G, GP]``) and ``acc^T += V^T P^T`` (``[W, GP]``), GP =
+GROUP rounded up to a power of two (no padding to 16 rows). For ``s < NS`` the
+program walks its share of the sequence's pages (``ceil(pages_b / NS)`` pages,
+computed in-kernel from ``lengths[b]``: no host sync) one key group (G tokens) per
+step. Codes are loaded as int32 words and dequantized in registers by
+:mod:`.unpack` (inline PTX on the GPU: prmt/shift/lop3 into the mantissa of 1.0
+and one packed fma with folded scales, ~1.75 instructions per code); keys give one
+``[G, D/planes]`` tile per bit plane, values one ``[G, W]`` tile per sub-tile of
+``W = min(G, D/planes)`` channels (one value group, one accumulator each). Online
+softmax in the exp2 domain. Split ``s = NS`` handles the full-precision residual
+window (attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``. Each
+program writes its partial ``(max, sum, acc)`` to an fp32 workspace
+``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg``, default 128) for
+occupancy. ``_plain`` (no inline PTX) is for tests and ``eval/sweep_decode.py``.
 
 Kernel 2 (``_decode_reduce_kernel``), grid ``(B * Hq,)``, merges the
 ``NS + 1`` partials with the log-sum-exp rule and writes ``out`` in q's dtype.
@@ -43,39 +46,40 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
+from .unpack import fold_scale, pack2, pack_channel_pairs, pair_emulated, pairs_asm, plane, plane_plain
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _online_softmax(s, m_i, l_i):
-    """One online-softmax step over scores ``s`` [GP, N] (exp2 domain; masked entries are -inf).
-    Returns the new running max and sum, the rescale factor for the accumulators, and p."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    """One online-softmax step over transposed scores ``s`` [N tokens, GP heads] (exp2 domain; masked
+    entries are -inf). Returns the new running max and sum, the accumulators' rescale factor, and p."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+    p = tl.exp2(s - m_new[None, :])
+    return m_new, l_i * alpha + tl.sum(p, axis=0), alpha, p
 
 
 @triton.jit
 def _acc_update(i: tl.constexpr, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7):
-    """acc_i = acc_i * alpha + pv for value channel group i (compile-time i)."""
+    """acc_i = acc_i * alpha + pv for value sub-tile i (compile-time i); accumulators are [W, GP]."""
     if i == 0:
-        a0 = a0 * alpha[:, None] + pv
+        a0 = a0 * alpha[None, :] + pv
     elif i == 1:
-        a1 = a1 * alpha[:, None] + pv
+        a1 = a1 * alpha[None, :] + pv
     elif i == 2:
-        a2 = a2 * alpha[:, None] + pv
+        a2 = a2 * alpha[None, :] + pv
     elif i == 3:
-        a3 = a3 * alpha[:, None] + pv
+        a3 = a3 * alpha[None, :] + pv
     elif i == 4:
-        a4 = a4 * alpha[:, None] + pv
+        a4 = a4 * alpha[None, :] + pv
     elif i == 5:
-        a5 = a5 * alpha[:, None] + pv
+        a5 = a5 * alpha[None, :] + pv
     elif i == 6:
-        a6 = a6 * alpha[:, None] + pv
+        a6 = a6 * alpha[None, :] + pv
     else:
-        a7 = a7 * alpha[:, None] + pv
+        a7 = a7 * alpha[None, :] + pv
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -100,42 +104,56 @@ def _acc_get(i: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @triton.jit
-def _codes_to(c, DT: tl.constexpr, CODEC: tl.constexpr):
-    """Small non-negative integer codes -> DT without integer-to-float conversion instructions
-    (those run at a fraction of the FMA rate): OR the code into the mantissa of 1024.0 (fp16) or
-    128.0 (bf16, codes < 128) and subtract the constant."""
-    if CODEC == 1:
-        return (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    elif CODEC == 2:
-        return (c.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+def _pick4(i: tl.constexpr, x0, x1, x2, x3):
+    if i == 0:
+        return x0
+    elif i == 1:
+        return x1
+    elif i == 2:
+        return x2
     else:
-        return c.to(tl.float32).to(DT)
+        return x3
+
+
+@triton.jit
+def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Folded, pair-packed key scales of plane k for one group: (s pair 0, s pair 1, z pair 0, z pair 1),
+    each [1, DK/4] int32."""
+    sf, zf = fold_scale(tl.load(srow + k * DK + kcols), tl.load(zrow + k * DK + kcols), BITS, DT)
+    s0, s1 = pack_channel_pairs(sf, DT)
+    z0, z1 = pack_channel_pairs(zf, DT)
+    return s0[None, :], s1[None, :], z0[None, :], z1[None, :]
+
+
+@triton.jit
+def _value_pair(s_ptrs, z_ptrs, tvalid, grp, BITS: tl.constexpr, DT: tl.constexpr):
+    """Folded value scale and zero of group ``grp`` for each token, packed twice: [G, 1] int32 each."""
+    sf, zf = fold_scale(tl.load(s_ptrs + grp, mask=tvalid, other=0.0), tl.load(z_ptrs + grp, mask=tvalid, other=0.0),
+                        BITS, DT)
+    return pack2(sf, sf)[:, None], pack2(zf, zf)[:, None]
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, bt_ptr, len_ptr,
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
     rk_ptr, rv_ptr, rlen_ptr,
     m_ws, l_ws, o_ws,
     qk_scale, Hkv, NS,
     s_qb, s_qh, s_btb,
-    s_kcp, s_kch, s_kct, s_ksp, s_ksh, s_ksg,
-    s_vcp, s_vch, s_vct, s_vsp, s_vsh, s_vst,
+    s_kcp, s_kch, s_ksp, s_ksh, s_ksg,
+    s_vcp, s_vch, s_vsp, s_vsh,
     s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    DOT_F32: tl.constexpr, PROBE: tl.constexpr, PREFETCH: tl.constexpr,
-    KCODEC: tl.constexpr, VCODEC: tl.constexpr,
+    BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
 ):
-    """One key group (G tokens) per iteration, with the scales folded out of the tiles:
-
-    keys:   q . (c * s + z) = (q * s) . c + q . z   -- s, z: one [D] row per group and channel
-    values: sum_t p_t (c_td * s_tg + z_tg) = (p * s_g) @ c_g + p @ z_g  -- per channel group g
-
-    so the code tiles are only converted to the dot dtype, never scaled element by element, and
-    scales are loaded once per group (no broadcast loads). Planar packing: channel block k of a
-    row is ``(byte >> k * bits) & mask``; a value channel group g lies in block g // (G per block)."""
+    """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
+    (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
+    registers by :mod:`.unpack` into one tile per channel plane: keys ``NK`` planes of ``DK``
+    channels (``S = sum_k Q_k K_k^T``), values in sub-tiles of ``W = min(G, DV)`` channels, one
+    accumulator each (``acc_i += P V_i``), so every value sub-tile lies inside one value group and
+    one plane and its per-token scales broadcast from a ``[G, 1, 1]`` tile."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // Hkv
@@ -144,33 +162,33 @@ def _decode_split_kernel(
     if DOT_F32:
         DT: tl.constexpr = tl.float32
         PREC: tl.constexpr = "ieee"
+        HALF: tl.constexpr = False
     else:
-        DT: tl.constexpr = q_ptr.dtype.element_ty
+        DT: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
         PREC: tl.constexpr = "tf32"
+        HALF: tl.constexpr = True
     NK: tl.constexpr = 8 // KBITS
     NV: tl.constexpr = 8 // VBITS
-    DK: tl.constexpr = D // NK
+    DK: tl.constexpr = D // NK  # channels per key plane = bytes per key row
     DV: tl.constexpr = D // NV
-    W: tl.constexpr = G if G < DV else DV  # value sub-tile width: inside one group and one packed block
+    W: tl.constexpr = G if G < DV else DV  # value sub-tile width: inside one group and one plane
     NW: tl.constexpr = D // W  # value sub-tiles (<= 8), one accumulator each
-    KMASK: tl.constexpr = (1 << KBITS) - 1
-    VMASK: tl.constexpr = (1 << VBITS) - 1
+    NC: tl.constexpr = DV // W  # value sub-tiles per plane (byte chunks of a row)
     offs_g = tl.arange(0, GP)
     hq = h * GROUP + offs_g
     gmask = offs_g < GROUP
-    q_row = q_ptr + b64 * s_qb + hq[:, None] * s_qh
+    q_col = q_ptr + b64 * s_qb + hq[None, :] * s_qh  # q^T: [channels, GP]
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    a0 = tl.zeros([GP, W], tl.float32)
-    a1 = tl.zeros([GP, W], tl.float32)
-    a2 = tl.zeros([GP, W], tl.float32)
-    a3 = tl.zeros([GP, W], tl.float32)
-    a4 = tl.zeros([GP, W], tl.float32)
-    a5 = tl.zeros([GP, W], tl.float32)
-    a6 = tl.zeros([GP, W], tl.float32)
-    a7 = tl.zeros([GP, W], tl.float32)
-    offs_dk = tl.arange(0, DK)
+    a0 = tl.zeros([W, GP], tl.float32)
+    a1 = tl.zeros([W, GP], tl.float32)
+    a2 = tl.zeros([W, GP], tl.float32)
+    a3 = tl.zeros([W, GP], tl.float32)
+    a4 = tl.zeros([W, GP], tl.float32)
+    a5 = tl.zeros([W, GP], tl.float32)
+    a6 = tl.zeros([W, GP], tl.float32)
+    a7 = tl.zeros([W, GP], tl.float32)
     offs_c = tl.arange(0, W)
 
     if split < NS:
@@ -179,76 +197,131 @@ def _decode_split_kernel(
         pps = tl.cdiv(npg, NS)
         t0 = split * pps * P
         t1 = tl.minimum(t0 + pps * P, length)
-        kc_h = kc_ptr + h * s_kch
+        kw_h = kw_ptr + h * s_kch
         ks_h = ks_ptr + h * s_ksh
         kz_h = kz_ptr + h * s_ksh
-        vc_h = vc_ptr + h * s_vch
+        vw_h = vw_ptr + h * s_vch
         vs_h = vs_ptr + h * s_vsh
         vz_h = vz_ptr + h * s_vsh
         offs_t = tl.arange(0, G)
-        page_next = tl.load(bt_ptr + b64 * s_btb + t0 // P, mask=t0 < t1, other=0).to(tl.int64)
+        wk = tl.arange(0, DK // 4)
+        wv = tl.arange(0, W // 4)
+        kcols = wk[:, None] * 4 + tl.arange(0, 4)[None, :]  # [DK/4, 4]: channel within a key plane
+        q0 = tl.load(q_col + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
+        q1 = tl.load(q_col + (DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
+        q2 = tl.load(q_col + (2 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
+        q3 = tl.load(q_col + (3 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
         for start in range(t0, t1, G):
-            if PREFETCH:  # the next iteration's page id is loaded one iteration ahead
-                page = page_next
-                page_next = tl.load(bt_ptr + b64 * s_btb + (start + G) // P, mask=start + G < t1,
-                                    other=0).to(tl.int64)
-            else:
-                page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
+            page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
             tp = start % P + offs_t  # token slots in the page
             tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
-            kraw = tl.load(kc_h + page * s_kcp + tp[:, None] * s_kct + offs_dk[None, :])
+            kw = tl.load(kw_h + page * s_kcp + tp[:, None] * (DK // 4) + wk[None, :])
             srow = ks_h + page * s_ksp + (start % P) // G * s_ksg
             zrow = kz_h + page * s_ksp + (start % P) // G * s_ksg
-            s = tl.zeros([GP, G], tl.float32)
-            for k in tl.static_range(NK):
-                cols = k * DK + offs_dk
-                if PROBE == 1:  # diagnostics only: skip the scale and zero loads
-                    ks = tl.full([DK], 1.0, DT)
-                    kz = tl.zeros([DK], DT)
+            s = tl.zeros([G, GP], tl.float32)
+            if HALF:
+                f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, KBITS, DT)
+                if NK >= 2:
+                    f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, KBITS, DT)
                 else:
-                    ks = tl.load(srow + cols).to(DT)
-                    kz = tl.load(zrow + cols).to(DT)
-                qk = tl.load(q_row + cols[None, :], mask=gmask[:, None], other=0.0).to(DT)
-                kk = _codes_to((kraw >> (k * KBITS)) & KMASK, DT, KCODEC) * ks[None, :] + kz[None, :]
-                s += tl.dot(qk, tl.trans(kk.to(DT)), input_precision=PREC)
-            s = tl.where(tvalid[None, :], s * qk_scale, float("-inf"))
+                    f10, f11, g10, g11 = f00, f01, g00, g01
+                if NK == 4:
+                    f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, KBITS, DT)
+                    f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, KBITS, DT)
+                else:
+                    f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                if KASM:
+                    kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
+                                   f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16)
+                    for k in tl.static_range(NK):
+                        kk = plane(kp[2 * k], kp[2 * k + 1], DT)
+                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+                else:
+                    for k in tl.static_range(NK):
+                        if k == 0:
+                            kk = plane(pair_emulated(kw, k, 0, f00, g00, KBITS, DT),
+                                       pair_emulated(kw, k, 1, f01, g01, KBITS, DT), DT)
+                        elif k == 1:
+                            kk = plane(pair_emulated(kw, k, 0, f10, g10, KBITS, DT),
+                                       pair_emulated(kw, k, 1, f11, g11, KBITS, DT), DT)
+                        elif k == 2:
+                            kk = plane(pair_emulated(kw, k, 0, f20, g20, KBITS, DT),
+                                       pair_emulated(kw, k, 1, f21, g21, KBITS, DT), DT)
+                        else:
+                            kk = plane(pair_emulated(kw, k, 0, f30, g30, KBITS, DT),
+                                       pair_emulated(kw, k, 1, f31, g31, KBITS, DT), DT)
+                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+            else:
+                for k in tl.static_range(NK):
+                    kk = plane_plain(kw, k, tl.load(srow + k * DK + kcols)[None], tl.load(zrow + k * DK + kcols)[None],
+                                     KBITS, DT)
+                    s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+            s = tl.where(tvalid[:, None], s * qk_scale, float("-inf"))
             m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
             pd = p.to(DT)
-            vrow = vc_h + page * s_vcp + tp[:, None] * s_vct
-            svrow = page * s_vsp + tp * s_vst
-            for gi in tl.static_range(NW if PROBE != 2 else 0):  # PROBE 2 (diagnostics): keys only
-                blk_v = gi * W // DV  # packed block holding this sub-tile
-                byte0 = gi * W - blk_v * DV
-                grp = gi * W // G  # its value group
-                vraw = tl.load(vrow + (byte0 + offs_c)[None, :])
-                codes = _codes_to((vraw >> (blk_v * VBITS)) & VMASK, DT, VCODEC)
-                if PROBE == 1:
-                    vs = tl.where(tvalid, 1.0, 0.0).to(DT)
-                    vz = tl.zeros([G], DT)
+            vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
+            svrow = page * s_vsp + tp * (D // G)
+            for c in tl.static_range(NC):  # byte chunk c of the value rows: sub-tile c of every plane
+                vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
+                if HALF:
+                    e0, h0 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (c * W) // G, VBITS, DT)
+                    if NV >= 2:
+                        e1, h1 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (DV + c * W) // G, VBITS, DT)
+                    else:
+                        e1, h1 = e0, h0
+                    if NV == 4:
+                        e2, h2 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (2 * DV + c * W) // G, VBITS, DT)
+                        e3, h3 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (3 * DV + c * W) // G, VBITS, DT)
+                    else:
+                        e2, h2, e3, h3 = e0, h0, e0, h0
+                    if VASM:
+                        vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3,
+                                       VBITS, BF16)
+                    for k in tl.static_range(NV):
+                        if VASM:
+                            vv = plane(vp[2 * k], vp[2 * k + 1], DT)
+                        elif k == 0:
+                            vv = plane(pair_emulated(vw, k, 0, e0, h0, VBITS, DT),
+                                       pair_emulated(vw, k, 1, e0, h0, VBITS, DT), DT)
+                        elif k == 1:
+                            vv = plane(pair_emulated(vw, k, 0, e1, h1, VBITS, DT),
+                                       pair_emulated(vw, k, 1, e1, h1, VBITS, DT), DT)
+                        elif k == 2:
+                            vv = plane(pair_emulated(vw, k, 0, e2, h2, VBITS, DT),
+                                       pair_emulated(vw, k, 1, e2, h2, VBITS, DT), DT)
+                        else:
+                            vv = plane(pair_emulated(vw, k, 0, e3, h3, VBITS, DT),
+                                       pair_emulated(vw, k, 1, e3, h3, VBITS, DT), DT)
+                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                     a5, a6, a7)
                 else:
-                    vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0).to(DT)
-                    vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0).to(DT)
-                vv = codes * vs[:, None] + vz[:, None]  # per-token scales broadcast over the channels
-                pv = tl.dot(pd, vv.to(DT), input_precision=PREC)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(gi, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
+                    for k in tl.static_range(NV):
+                        grp = (k * DV + c * W) // G
+                        vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
+                        vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
+                        vv = plane_plain(vw, k, vs, vz, VBITS, DT)
+                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                     a5, a6, a7)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
         rv_b = rv_ptr + b64 * s_rvb + h * s_rvh
         offs_d = tl.arange(0, D)
-        q = tl.load(q_row + offs_d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32).to(DT)
+        q = tl.load(q_col + offs_d[:, None], mask=gmask[None, :], other=0.0).to(tl.float32).to(DT)
         for start in range(0, rlen, BLOCK_R):
             tok = start + tl.arange(0, BLOCK_R)
             tvalid = tok < rlen
             kk = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kk.to(tl.float32).to(DT)), input_precision=PREC) * qk_scale
-            s = tl.where(tvalid[None, :], s, float("-inf"))
+            s = tl.dot(kk.to(tl.float32).to(DT), q, input_precision=PREC) * qk_scale
+            s = tl.where(tvalid[:, None], s, float("-inf"))
             m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
             pd = p.to(DT)
             for gi in tl.static_range(NW):
                 cols = gi * W + offs_c
                 vv = tl.load(rv_b + tok[:, None] * s_rvt + cols[None, :], mask=tvalid[:, None], other=0.0)
-                pv = tl.dot(pd, vv.to(tl.float32).to(DT), input_precision=PREC)
+                pv = tl.dot(tl.trans(vv.to(tl.float32).to(DT)), pd, input_precision=PREC)
                 a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(gi, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
 
     row = (b64 * Hkv + h) * GROUP + offs_g  # flat (b, hq)
@@ -257,7 +330,7 @@ def _decode_split_kernel(
     tl.store(l_ws + ws, l_i, mask=gmask)
     for gi in tl.static_range(NW):
         acc = _acc_get(gi, a0, a1, a2, a3, a4, a5, a6, a7)
-        tl.store(o_ws + ws[:, None] * D + (gi * W + offs_c)[None, :], acc, mask=gmask[:, None])
+        tl.store(o_ws + ws[None, :] * D + (gi * W + offs_c)[:, None], acc, mask=gmask[None, :])
 
 
 @triton.jit
@@ -288,15 +361,15 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def _codec(dtype, bits: int, dot_f32: bool) -> int:
-    """How _codes_to converts codes: 1 fp16 magic number, 2 bf16 magic number (codes < 128), 0 plain."""
-    if dot_f32:
-        return 0
-    if dtype == torch.float16:
-        return 1
-    # CODEC 2 (bf16 magic number) is implemented but not yet verified on a GPU (the interpreter's
-    # bf16 arithmetic is wrong, so no CPU test covers it): bf16 uses the plain conversion for now.
-    return 0
+def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
+    """The inline-PTX unpack (GPU only) covers 2/4-bit codes with fp16/bf16 dots."""
+    return not dot_f32 and not interpreting() and bits in (2, 4) and dtype in (torch.float16, torch.bfloat16)
+
+
+def _maxnreg(interp: bool) -> dict:
+    """Register cap per thread (more resident warps per SM); KIVI_DECODE_MAXNREG=0 lifts it."""
+    n = int(os.environ.get("KIVI_DECODE_MAXNREG", 128))
+    return {} if interp or n <= 0 else {"maxnreg": n}
 
 
 def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
@@ -322,13 +395,15 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float, *, num_splits: int | None = None, out=None, _probe: int = 0,
-                           _prefetch: bool | None = None, _force_half_dot: bool = False):
+                           sm_scale: float, *, num_splits: int | None = None, out=None,
+                           _force_half_dot: bool = False, _plain: bool = False):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
 
     q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits``
     overrides the automatic context split (for tests/benchmarks); ``out``
     (``[B, Hq, D]``, q's dtype, last dim contiguous) is written in place if given.
+    ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX unpack) are for tests and
+    benchmarks.
     """
     bsz, hq, d = q.shape
     _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
@@ -347,7 +422,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         raise ValueError(f"decode kernel needs value sub-tiles min(group_size, head_dim*value_bits/8) >= 16 "
                          f"and <= 8 of them per head; got group_size={group_size}, head_dim={d}, "
                          f"bits={key_bits}/{value_bits}")
-    gp = max(16, triton.next_power_of_2(group))
+    gp = max(int(os.environ.get("KIVI_DECODE_GP_MIN", 1)), triton.next_power_of_2(group))
     if q.stride(-1) != 1:
         q = q.contiguous()
     if res_k.stride(-1) != 1:
@@ -360,31 +435,38 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     res_lengths = res_lengths.contiguous()
     interp = interpreting()
     ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device)
-    blk = block_tokens(p, group_size, 256 if interp else int(os.environ.get("KIVI_DECODE_BLOCK", 64 if d <= 128 else 32)))
+    block_tokens(p, group_size, 256)  # page-size check (the kernel steps one group at a time)
+    if k_codes.shape[-1] % 4 or v_codes.shape[-1] % 4:
+        raise ValueError("code rows must be a whole number of 32-bit words (head_dim * bits / 8 % 4 == 0)")
     blk_r = 64 if interp else (32 if d <= 128 else 16)
     ws_m = torch.empty(bsz * hq, ns + 1, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_o = torch.empty(bsz * hq, ns + 1, d, dtype=torch.float32, device=q.device)
     dot_f32 = (interp and not _force_half_dot) or q.dtype == torch.float32
+    kw = k_codes.view(torch.int32)
+    vw = v_codes.view(torch.int32)
+    if kw.stride(2) != kw.shape[3] or vw.stride(2) != vw.shape[3] or v_scale.stride(2) != v_scale.shape[3]:
+        raise ValueError("pool tensors must be contiguous within a page (token rows back to back)")
     _decode_split_kernel[(bsz * hkv, ns + 1)](
         q, block_table, lengths,
-        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+        kw, k_scale, k_zero, vw, v_scale, v_zero,
         res_k, res_v, res_lengths,
         ws_m, ws_l, ws_o,
         float(sm_scale) * LOG2E, hkv, ns,
         q.stride(0), q.stride(1), block_table.stride(0),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        kw.stride(0), kw.stride(1),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
-        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        vw.stride(0), vw.stride(1),
+        v_scale.stride(0), v_scale.stride(1),
         res_k.stride(0), res_k.stride(1), res_k.stride(2),
         res_v.stride(0), res_v.stride(1), res_v.stride(2),
-        GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
-        KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32, PROBE=_probe,
-        KCODEC=_codec(q.dtype, key_bits, dot_f32), VCODEC=_codec(q.dtype, value_bits, dot_f32),
-        PREFETCH=bool(int(os.environ.get("KIVI_DECODE_PREFETCH", 0))) if _prefetch is None else _prefetch,
-        num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 4)),
+        GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK_R=blk_r,
+        KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
+        KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
+        VASM=not _plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
+        num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)),
         num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),
+        **_maxnreg(interp),
     )
     bs = min(triton.next_power_of_2(ns + 1), 32)
     _decode_reduce_kernel[(bsz * hq,)](

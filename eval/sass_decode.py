@@ -1,0 +1,95 @@
+"""Count the SASS instructions of the decode kernel's main loop, on a machine without a GPU.
+
+Triton's wheel ships ptxas and nvdisasm, so the kernel can be compiled for sm_90 here and its
+inner loop inspected: instructions per step by opcode, registers, spills. This is how the v5
+kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending device time.
+
+    python eval/sass_decode.py [KEY=VALUE ...]   e.g. KBITS=2 VBITS=2 GP=4 G=32 D=128
+    env: W (warps, default 1), S (stages, 3), R (maxnreg, 128; 0 = none)
+"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import attention  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32", "ks_ptr": "*fp16",
+        "kz_ptr": "*fp16", "vw_ptr": "*i32", "vs_ptr": "*fp16", "vz_ptr": "*fp16", "rk_ptr": "*fp16",
+        "rv_ptr": "*fp16", "rlen_ptr": "*i32", "m_ws": "*fp32", "l_ws": "*fp32", "o_ws": "*fp32"}
+
+
+def compile_kernel(const, warps, stages, maxnreg):
+    fn = attention._decode_split_kernel
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in PTRS:
+            sig[n] = PTRS[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in const:
+            sig[n] = "constexpr"
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("s_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    if const.get("BF16"):
+        for n in ("q_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "rk_ptr", "rv_ptr"):
+            sig[n] = "*bf16"
+    opts = dict(num_warps=warps, num_stages=stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    src = ASTSource(fn, sig, constexprs={k: v for k, v in const.items() if k in fn.arg_names}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def loops(sass):
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.L_x_(\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(2).strip())
+    for i, t in enumerate(ins):
+        lab = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", t)
+        if lab and labels.get(lab.group(1), 1 << 30) < i:
+            body = ins[labels[lab.group(1)]:i + 1]
+            yield len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body)
+
+
+def main():
+    const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
+                 VASM=True, BF16=False)
+    const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
+    k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", 3)),
+                       int(os.environ.get("R", 128)))
+    with tempfile.TemporaryDirectory() as tmp:
+        cub = os.path.join(tmp, "k.cubin")
+        open(cub, "wb").write(k.asm["cubin"])
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cub], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cub], capture_output=True, text=True).stdout
+    print(const)
+    print(" ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)))
+    codes = const["G"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
+    for n, c in loops(sass):
+        print(f"loop: {n} instructions per step; spills in loop {c['STL'] + c['LDL']}; top: "
+              + ", ".join(f"{k} {v}" for k, v in c.most_common(12)))
+    print(f"(a step of the paged loop covers {const['G']} tokens = {codes} codes per lane with 1 warp)")
+
+
+if __name__ == "__main__":
+    main()

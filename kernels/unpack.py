@@ -1,0 +1,161 @@
+"""Codes -> dequantized fp16/bf16 values inside the attention kernel (registers only).
+
+The decode kernel loads packed codes as int32 words (4 bytes of one token's row).
+Planar packing: byte ``j`` of a row holds channel ``j + k * row_bytes`` of plane
+``k`` in bits ``[k * bits, (k + 1) * bits)``, ``k < 8 // bits``. So word ``w`` holds
+channels ``4w .. 4w + 3`` of every plane.
+
+``pairs_*`` turn a word tile ``[N, W]`` into, per plane ``k`` and byte pair
+``p`` (bytes ``2p, 2p + 1``), an int32 tile whose two 16-bit halves are the
+dequantized fp16/bf16 values of channels ``4w + 2p`` and ``4w + 2p + 1``;
+:func:`plane` reassembles a plane as ``[N, 4W]`` in natural channel order (a
+register relabelling: join, permute, reshape).
+
+* ``pairs_asm`` (GPU, 2/4-bit codes): one PTX block per word. ``prmt`` spreads
+  bytes ``2p, 2p+1`` into the low bytes of the two halves; per plane a shift and
+  one ``lop3`` put the code in the top mantissa bits of 1.0 (``v = 1 + c / 2**bits``,
+  exact) and one packed ``fma`` gives ``v * (2**bits s) + (z - 2**bits s) = c s + z``:
+  1.75 instructions per code, no integer-to-float conversions. The extra rounding
+  of ``z - 2**bits s`` is at most 2**-11 (fp16) of ``|z| + 2**bits s``.
+* ``pairs_emulated``: the same pairs from the same folded scales in plain Triton
+  (fp32 math, then rounded): runs in the interpreter (CPU tests of everything but
+  the PTX) and for 8-bit codes.
+
+Scales and zero points enter folded (:func:`fold_scale`) and packed as pairs
+(:func:`pack2`), the layout of the fma operands.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _asm(bits: int, bf16: bool) -> str:
+    """PTX for one word. Operands: outputs $(2k+p) for plane k, pair p; input word $n2 (n2 = 2 * planes);
+    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p)."""
+    n = 8 // bits
+    n2 = 2 * n
+    top = 7 if bf16 else 10  # mantissa bits
+    magic = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
+    field = ((1 << bits) - 1) << (top - bits)
+    mask = f"0x{field | field << 16:08X}"
+    fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
+    lines = ["{", ".reg .b32 t0, t1, u;",
+             f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1
+             f"prmt.b32 t1, ${n2}, ${n2}, 0x3322;"]  # bytes 2, 3
+    for k in range(n):
+        sh = top - bits - k * bits
+        for p in range(2):
+            t = f"t{p}"
+            if sh > 0:
+                lines.append(f"shl.b32 u, {t}, {sh};")
+            elif sh < 0:
+                lines.append(f"shr.u32 u, {t}, {-sh};")
+            else:
+                lines.append(f"mov.b32 u, {t};")
+            lines.append(f"lop3.b32 u, u, {mask}, {magic}, 0xEA;")  # (u & mask) | magic
+            lines.append(f"{fma} ${2 * k + p}, u, ${n2 + 1 + 4 * k + 2 * p}, ${n2 + 2 + 4 * k + 2 * p};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _constraints(bits: int) -> str:
+    n = 8 // bits
+    return ",".join(["=r"] * (2 * n) + ["r"] * (1 + 4 * n))
+
+
+ASM4_F16 = tl.constexpr(_asm(4, False))
+ASM4_BF16 = tl.constexpr(_asm(4, True))
+ASM2_F16 = tl.constexpr(_asm(2, False))
+ASM2_BF16 = tl.constexpr(_asm(2, True))
+CON4 = tl.constexpr(_constraints(4))
+CON2 = tl.constexpr(_constraints(2))
+
+
+@triton.jit
+def fold_scale(s, z, BITS: tl.constexpr, DT: tl.constexpr):
+    """(2**bits * s, z - 2**bits * s) in DT (fp16/bf16): the fma operands of ``pairs_asm``. Computed in DT
+    (packed half2 math on the GPU): the product is exact, the difference rounded once, as in fp32."""
+    sf = s.to(DT) * (1 << BITS)
+    return sf, z.to(DT) - sf
+
+
+@triton.jit
+def pack2(lo, hi):
+    """Two fp16/bf16 tensors -> int32 with ``lo`` in bits 0-15 and ``hi`` in bits 16-31."""
+    a = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    b = hi.to(tl.int16, bitcast=True).to(tl.int32)
+    return a | (b << 16)
+
+
+@triton.jit
+def pack_channel_pairs(x, DT: tl.constexpr):
+    """x [W, 4] (channel 4w + b) -> (pair 0, pair 1), each [W] int32 holding channels (4w, 4w+1) and
+    (4w+2, 4w+3)."""
+    even, odd = tl.split(tl.reshape(x.to(DT), [x.shape[0], 2, 2]))
+    p0, p1 = tl.split(pack2(even, odd))
+    return p0, p1
+
+
+@triton.jit
+def unpack_half(x, DT: tl.constexpr):
+    """int32 pair tile -> (low half, high half) as DT."""
+    lo = x.to(tl.int16).to(DT, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(DT, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def plane(p0, p1, DT: tl.constexpr):
+    """Pairs 0 and 1 of a plane, [N, W] int32 each -> [N, 4W] DT in natural channel order."""
+    a0, a1 = unpack_half(p0, DT)
+    a2, a3 = unpack_half(p1, DT)
+    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [N, W, half, pair]
+    x = tl.permute(x, (0, 1, 3, 2))  # [N, W, pair, half]: channel 4w + 2 * pair + half
+    return tl.reshape(x, [p0.shape[0], 4 * p0.shape[1]])
+
+
+@triton.jit
+def pairs_asm(words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7, z7,
+              BITS: tl.constexpr, BF16: tl.constexpr):
+    """words [N, W] int32; (s2k+p, z2k+p): packed folded scales of plane k, pair p (broadcastable to
+    words; planes beyond 8 // BITS are ignored). Returns 2 * (8 // BITS) int32 tiles, plane-major."""
+    if BITS == 4:
+        if BF16:
+            return tl.inline_asm_elementwise(ASM4_BF16, CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
+                                             dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(ASM4_F16, CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
+                                             dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    else:
+        if BF16:
+            return tl.inline_asm_elementwise(ASM2_BF16, CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3,
+                                                               s4, z4, s5, z5, s6, z6, s7, z7],
+                                             dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(ASM2_F16, CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3,
+                                                              s4, z4, s5, z5, s6, z6, s7, z7],
+                                             dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.constexpr, DT: tl.constexpr):
+    """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = v * sf + zf."""
+    s_lo, s_hi = unpack_half(sp, DT)
+    z_lo, z_hi = unpack_half(zp, DT)
+    c_lo = (words >> (16 * p + k * BITS)) & ((1 << BITS) - 1)
+    c_hi = (words >> (16 * p + 8 + k * BITS)) & ((1 << BITS) - 1)
+    inv = 1.0 / (1 << BITS)
+    v_lo = (1.0 + c_lo.to(tl.float32) * inv) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
+    v_hi = (1.0 + c_hi.to(tl.float32) * inv) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
+    return pack2(v_lo.to(DT), v_hi.to(DT))
+
+
+@triton.jit
+def plane_plain(words, k: tl.constexpr, s, z, BITS: tl.constexpr, DT: tl.constexpr):
+    """fp32 path: plane k of words [N, W] as [N, 4W] DT, from unfolded s, z [*, W, 4] (channel 4w + b)."""
+    b = tl.arange(0, 4)[None, None, :]
+    c = (words[:, :, None] >> (8 * b + k * BITS)) & ((1 << BITS) - 1)
+    v = (c.to(tl.float32) * s.to(tl.float32) + z.to(tl.float32)).to(DT)
+    return tl.reshape(v, [words.shape[0], 4 * words.shape[1]])
