@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from . import reference
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -68,8 +70,13 @@ def _impl(device_type: str):
 _unsupported_warned: set = set()
 
 
-def _call(name: str, device_type: str, *args, **kwargs):
-    mod = _impl(device_type)
+def _call(name: str, device, *args, **kwargs):
+    mod = _impl(device.type)
+    if mod is not reference and device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        # Triton launches on the current device: with a model spread over GPUs (device_map), a layer's
+        # tensors may live on another one.
+        with torch.cuda.device(device):
+            return _call(name, device, *args, **kwargs)
     if mod is reference or _backend == "triton":
         return getattr(mod, name)(*args, **kwargs)
     try:
@@ -83,21 +90,21 @@ def _call(name: str, device_type: str, *args, **kwargs):
 
 
 def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size):
-    _call("quantize_and_write", k.device.type, k, v, pages, slots, *pool, key_bits, value_bits, group_size)
+    _call("quantize_and_write", k.device, k, v, pages, slots, *pool, key_bits, value_bits, group_size)
 
 
 def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None):
-    return _call("dequantize_pages", block_table.device.type, block_table, lengths, *pool, key_bits, value_bits,
+    return _call("dequantize_pages", block_table.device, block_table, lengths, *pool, key_bits, value_bits,
                  group_size, max_len=max_len)
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
                            group_size, sm_scale):
-    return _call("paged_decode_attention", q.device.type, q, block_table, lengths, *pool, res_k, res_v,
+    return _call("paged_decode_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
                  res_lengths, key_bits, value_bits, group_size, sm_scale)
 
 
 def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
                            key_bits, value_bits, group_size, sm_scale):
-    return _call("paged_prefix_attention", q.device.type, q, block_table, lengths, *pool, res_k, res_v,
+    return _call("paged_prefix_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
                  res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale)
