@@ -1049,10 +1049,11 @@ def main(argv=None):
     budget_bytes, total = None, None
     gpu = None
     if dev.cuda:
-        props = torch.cuda.get_device_properties(device)
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
         total = props.total_memory
         budget_bytes = int(min(args.budget_gb * GiB, total))
-        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, device)
+        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, idx)
         gpu = dict(name=props.name, total_memory=total, capability=f"{props.major}.{props.minor}",
                    multiprocessors=props.multi_processor_count)
     try:
