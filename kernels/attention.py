@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
-from .unpack import fold_scale, pack2, pack_channel_pairs, pair_emulated, pairs_asm, plane, plane_plain
+from .unpack import fold_scale, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated, plane_plain
 
 LOG2E = 1.4426950408889634
 
@@ -238,18 +238,8 @@ def _decode_split_kernel(
                         s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
                 else:
                     for k in tl.static_range(NK):
-                        if k == 0:
-                            kk = plane(pair_emulated(kw, k, 0, f00, g00, KBITS, DT),
-                                       pair_emulated(kw, k, 1, f01, g01, KBITS, DT), DT)
-                        elif k == 1:
-                            kk = plane(pair_emulated(kw, k, 0, f10, g10, KBITS, DT),
-                                       pair_emulated(kw, k, 1, f11, g11, KBITS, DT), DT)
-                        elif k == 2:
-                            kk = plane(pair_emulated(kw, k, 0, f20, g20, KBITS, DT),
-                                       pair_emulated(kw, k, 1, f21, g21, KBITS, DT), DT)
-                        else:
-                            kk = plane(pair_emulated(kw, k, 0, f30, g30, KBITS, DT),
-                                       pair_emulated(kw, k, 1, f31, g31, KBITS, DT), DT)
+                        kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
+                                            _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT)
                         s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
             else:
                 for k in tl.static_range(NK):
@@ -280,18 +270,9 @@ def _decode_split_kernel(
                     for k in tl.static_range(NV):
                         if VASM:
                             vv = plane(vp[2 * k], vp[2 * k + 1], DT)
-                        elif k == 0:
-                            vv = plane(pair_emulated(vw, k, 0, e0, h0, VBITS, DT),
-                                       pair_emulated(vw, k, 1, e0, h0, VBITS, DT), DT)
-                        elif k == 1:
-                            vv = plane(pair_emulated(vw, k, 0, e1, h1, VBITS, DT),
-                                       pair_emulated(vw, k, 1, e1, h1, VBITS, DT), DT)
-                        elif k == 2:
-                            vv = plane(pair_emulated(vw, k, 0, e2, h2, VBITS, DT),
-                                       pair_emulated(vw, k, 1, e2, h2, VBITS, DT), DT)
                         else:
-                            vv = plane(pair_emulated(vw, k, 0, e3, h3, VBITS, DT),
-                                       pair_emulated(vw, k, 1, e3, h3, VBITS, DT), DT)
+                            e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
+                            vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT)
                         pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
                         a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
                                                                      a5, a6, a7)

@@ -153,6 +153,12 @@ def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.cons
 
 
 @triton.jit
+def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr):
+    """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``)."""
+    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT), pair_emulated(words, k, 1, s1, z1, BITS, DT), DT)
+
+
+@triton.jit
 def plane_plain(words, k: tl.constexpr, s, z, BITS: tl.constexpr, DT: tl.constexpr):
     """fp32 path: plane k of words [N, W] as [N, 4W] DT, from unfolded s, z [*, W, 4] (channel 4w + b)."""
     b = tl.arange(0, 4)[None, None, :]
