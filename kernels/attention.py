@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
-from .unpack import fold_scale, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated, plane_plain
+from .unpack import fold_pairs_asm, fold_scale, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated, plane_plain
 
 LOG2E = 1.4426950408889634
 
@@ -122,6 +122,18 @@ def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, BITS: tl.co
     sf, zf = fold_scale(tl.load(srow + k * DK + kcols), tl.load(zrow + k * DK + kcols), BITS, DT)
     s0, s1 = pack_channel_pairs(sf, DT)
     z0, z1 = pack_channel_pairs(zf, DT)
+    return s0[None, :], s1[None, :], z0[None, :], z1[None, :]
+
+
+@triton.jit
+def _key_pairs_asm(srow, zrow, k: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr):
+    """``_key_pairs`` on the GPU: the pairs are loaded as int32 (the pools viewed as int32) and folded by
+    PTX in packed half2 arithmetic, with no repacking."""
+    offs = k * (DK // 2) + tl.arange(0, DK // 2)  # int32 pairs of plane k: word w, pair p at 2w + p
+    sf, zf = fold_pairs_asm(tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True) + offs),
+                            tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True) + offs), BITS, BF16)
+    s0, s1 = tl.split(tl.reshape(sf, [DK // 4, 2]))
+    z0, z1 = tl.split(tl.reshape(zf, [DK // 4, 2]))
     return s0[None, :], s1[None, :], z0[None, :], z1[None, :]
 
 
@@ -220,16 +232,25 @@ def _decode_split_kernel(
             zrow = kz_h + page * s_ksp + (start % P) // G * s_ksg
             s = tl.zeros([G, GP], tl.float32)
             if HALF:
-                f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, KBITS, DT)
-                if NK >= 2:
-                    f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, KBITS, DT)
+                if KASM:
+                    f00, f01, g00, g01 = _key_pairs_asm(srow, zrow, 0, DK, KBITS, BF16)
+                    f10, f11, g10, g11 = _key_pairs_asm(srow, zrow, 1 % NK, DK, KBITS, BF16)
+                    if NK == 4:
+                        f20, f21, g20, g21 = _key_pairs_asm(srow, zrow, 2, DK, KBITS, BF16)
+                        f30, f31, g30, g31 = _key_pairs_asm(srow, zrow, 3, DK, KBITS, BF16)
+                    else:
+                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                 else:
-                    f10, f11, g10, g11 = f00, f01, g00, g01
-                if NK == 4:
-                    f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, KBITS, DT)
-                    f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, KBITS, DT)
-                else:
-                    f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, KBITS, DT)
+                    if NK >= 2:
+                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, KBITS, DT)
+                    else:
+                        f10, f11, g10, g11 = f00, f01, g00, g01
+                    if NK == 4:
+                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, KBITS, DT)
+                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, KBITS, DT)
+                    else:
+                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                 if KASM:
                     kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
                                    f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16)

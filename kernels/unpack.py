@@ -60,6 +60,15 @@ def _asm(bits: int, bf16: bool) -> str:
     return "\n".join(lines)
 
 
+def _fold_asm(bits: int, bf16: bool) -> str:
+    """PTX folding a pair of scales and zero points (two packed halves each): $0 = 2**bits * s,
+    $1 = z - 2**bits * s (one rounding), from $2 = s, $3 = z."""
+    one = (127 + bits) << 7 if bf16 else (15 + bits) << 10
+    t = "bf16x2" if bf16 else "f16x2"
+    return "\n".join(["{", ".reg .b32 c;", f"mov.b32 c, 0x{one | one << 16:08X};", f"mul.rn.{t} $0, $2, c;",
+                      f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};", f"fma.rn.{t} $1, $2, c, $3;", "}"])
+
+
 def _constraints(bits: int) -> str:
     n = 8 // bits
     return ",".join(["=r"] * (2 * n) + ["r"] * (1 + 4 * n))
@@ -70,6 +79,10 @@ ASM4_BF16 = tl.constexpr(_asm(4, True))
 ASM2_F16 = tl.constexpr(_asm(2, False))
 ASM2_BF16 = tl.constexpr(_asm(2, True))
 CON4 = tl.constexpr(_constraints(4))
+FOLD4_F16 = tl.constexpr(_fold_asm(4, False))
+FOLD4_BF16 = tl.constexpr(_fold_asm(4, True))
+FOLD2_F16 = tl.constexpr(_fold_asm(2, False))
+FOLD2_BF16 = tl.constexpr(_fold_asm(2, True))
 CON2 = tl.constexpr(_constraints(2))
 
 
@@ -79,6 +92,26 @@ def fold_scale(s, z, BITS: tl.constexpr, DT: tl.constexpr):
     (packed half2 math on the GPU): the product is exact, the difference rounded once, as in fp32."""
     sf = s.to(DT) * (1 << BITS)
     return sf, z.to(DT) - sf
+
+
+@triton.jit
+def fold_pairs_asm(s, z, BITS: tl.constexpr, BF16: tl.constexpr):
+    """``fold_scale`` on int32 tiles that hold (scale, scale) and (zero, zero) pairs of adjacent channels,
+    as loaded from the fp16/bf16 pools viewed as int32: two packed instructions per pair (GPU only)."""
+    if BITS == 4:
+        if BF16:
+            return tl.inline_asm_elementwise(FOLD4_BF16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(FOLD4_F16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+    else:
+        if BF16:
+            return tl.inline_asm_elementwise(FOLD2_BF16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(FOLD2_F16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
 
 
 @triton.jit
