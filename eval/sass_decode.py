@@ -71,7 +71,7 @@ def loops(sass):
 
 
 def main():
-    const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
+    const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=32, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
                  VASM=True, BF16=False)
     const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
     k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", 3)),
@@ -84,11 +84,11 @@ def main():
         sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cub], capture_output=True, text=True).stdout
     print(const)
     print(" ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)))
-    codes = const["G"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
+    codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
     for n, c in loops(sass):
         print(f"loop: {n} instructions per step; spills in loop {c['STL'] + c['LDL']}; top: "
               + ", ".join(f"{k} {v}" for k, v in c.most_common(12)))
-    print(f"(a step of the paged loop covers {const['G']} tokens = {codes} codes per lane with 1 warp)")
+    print(f"(a step of the paged loop covers {const['BLOCK']} tokens = {codes} codes per lane with 1 warp)")
 
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@ args = ap.parse_args()
 dev = "cuda"
 hq, d = 32, 128
 rows = []
-SETTINGS = [(w, st, r, False) for w, st, r in itertools.product((1, 2), (2, 3), (0, 128))]
-SETTINGS += [(1, 3, 128, True), (4, 3, 128, False)]
+# (warps, stages, maxnreg, plain, tokens per step)
+SETTINGS = [(w, st, r, False, 32) for w, st, r in itertools.product((1, 2), (2, 3), (0, 128))]
+SETTINGS += [(1, 3, 128, True, 32), (4, 3, 128, False, 32), (1, 3, 0, False, 64), (1, 3, 168, False, 64)]
 if args.quick:
-    SETTINGS = [(1, 3, 128, False), (1, 2, 128, False), (1, 3, 0, False), (1, 3, 128, True)]
+    SETTINGS = [(1, 3, 128, False, 32), (1, 3, 0, False, 64)]
+BITS = ((4, 4, 32), (2, 2, 32)) if args.quick else ((4, 4, 32), (2, 2, 32), (4, 2, 64))
 for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
     q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
     kf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
@@ -33,7 +35,7 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
     t_sdpa = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
         q, kf, vf, enable_gqa=True), warmup=50, rep=300, return_mode="median")
     del kf, vf
-    for kb, vb, g in ((4, 4, 32), (2, 2, 32), (4, 2, 64)):
+    for kb, vb, g in BITS:
         page = 64
         t_q = ctx - 128
         npg = -(-t_q // page)
@@ -47,30 +49,30 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
         rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)
         rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
         nbytes = sum(t.numel() * t.element_size() for t in (kc, ks, ks, vc, vs, vs)) + 2 * b * hkv * 128 * d * 2
-        for warps, stages, maxnreg, plain in SETTINGS:
+        for warps, stages, maxnreg, plain, step in SETTINGS:
             os.environ.update(KIVI_DECODE_WARPS=str(warps), KIVI_DECODE_STAGES=str(stages),
-                              KIVI_DECODE_MAXNREG=str(maxnreg))
+                              KIVI_DECODE_MAXNREG=str(maxnreg), KIVI_DECODE_STEP=str(step))
             try:
                 t = triton.testing.do_bench(lambda: KK.paged_decode_attention(
                     q[:, :, 0], bt, lens, kc, ks, ks, vc, vs, vs, rk, rk, rl, kb, vb, g, 0.088, _plain=plain),
                     warmup=50, rep=300, return_mode="median")
             except Exception as e:  # noqa: BLE001
-                print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} plain={plain}: "
+                print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} plain={plain}: "
                       f"{type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             r = dict(batch=b, kv_heads=hkv, context=ctx, page=page, key_bits=kb, value_bits=vb, group=g,
-                     warps=warps, stages=stages, maxnreg=maxnreg, plain=plain, ms=t, sdpa_ms=t_sdpa,
+                     warps=warps, stages=stages, maxnreg=maxnreg, step=step, plain=plain, ms=t, sdpa_ms=t_sdpa,
                      tbps=nbytes / t / 1e9, speedup=t_sdpa / t)
             rows.append(r)
-            print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} plain={plain}: {t:.4f} ms "
+            print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} plain={plain}: {t:.4f} ms "
                   f"({r['tbps']:.2f} TB/s) sdpa {t_sdpa:.4f} ms -> {r['speedup']:.2f}x", flush=True)
         del kc, ks, vc, vs
-for k in ("WARPS", "STAGES", "MAXNREG"):
+for k in ("WARPS", "STAGES", "MAXNREG", "STEP"):
     os.environ.pop("KIVI_DECODE_" + k, None)
 for key in sorted({(r["batch"], r["context"], r["key_bits"], r["value_bits"]) for r in rows}):
     best = min((r for r in rows if (r["batch"], r["context"], r["key_bits"], r["value_bits"]) == key),
                key=lambda r: r["ms"])
-    print("BEST", key, {k: best[k] for k in ("warps", "stages", "maxnreg", "plain", "ms", "tbps", "speedup")})
+    print("BEST", key, {k: best[k] for k in ("warps", "stages", "maxnreg", "step", "plain", "ms", "tbps", "speedup")})
 if args.out:
     json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    rows=rows), open(args.out, "w"), indent=1)

@@ -116,25 +116,34 @@ def _pick4(i: tl.constexpr, x0, x1, x2, x3):
 
 
 @triton.jit
-def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """Folded, pair-packed key scales of plane k for one group: (s pair 0, s pair 1, z pair 0, z pair 1),
-    each [1, DK/4] int32."""
-    sf, zf = fold_scale(tl.load(srow + k * DK + kcols), tl.load(zrow + k * DK + kcols), BITS, DT)
-    s0, s1 = pack_channel_pairs(sf, DT)
-    z0, z1 = pack_channel_pairs(zf, DT)
-    return s0[None, :], s1[None, :], z0[None, :], z1[None, :]
+def _rows(x, G: tl.constexpr):
+    """[GPS, W] per-group values -> [GPS * G, W], each group's row repeated for its G tokens."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :], [x.shape[0], G, x.shape[1]]), [x.shape[0] * G, x.shape[1]])
 
 
 @triton.jit
-def _key_pairs_asm(srow, zrow, k: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr):
+def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+               DT: tl.constexpr):
+    """Folded, pair-packed key scales of plane k for the step's groups (``srow``/``zrow``: [GPS] row
+    pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token)."""
+    sf, zf = fold_scale(tl.load(srow[:, None, None] + k * DK + kcols[None]),
+                        tl.load(zrow[:, None, None] + k * DK + kcols[None]), BITS, DT)
+    s0, s1 = pack_channel_pairs(sf, DT)
+    z0, z1 = pack_channel_pairs(zf, DT)
+    return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
+
+
+@triton.jit
+def _key_pairs_asm(srow, zrow, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                   BF16: tl.constexpr):
     """``_key_pairs`` on the GPU: the pairs are loaded as int32 (the pools viewed as int32) and folded by
     PTX in packed half2 arithmetic, with no repacking."""
-    offs = k * (DK // 2) + tl.arange(0, DK // 2)  # int32 pairs of plane k: word w, pair p at 2w + p
-    sf, zf = fold_pairs_asm(tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True) + offs),
-                            tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True) + offs), BITS, BF16)
-    s0, s1 = tl.split(tl.reshape(sf, [DK // 4, 2]))
-    z0, z1 = tl.split(tl.reshape(zf, [DK // 4, 2]))
-    return s0[None, :], s1[None, :], z0[None, :], z1[None, :]
+    offs = (k * (DK // 2) + tl.arange(0, DK // 2))[None, :]  # int32 pairs of plane k: word w, pair p at 2w + p
+    sf, zf = fold_pairs_asm(tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs),
+                            tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs), BITS, BF16)
+    s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
+    z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
+    return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
 
 
 @triton.jit
@@ -157,7 +166,7 @@ def _decode_split_kernel(
     s_vcp, s_vch, s_vsp, s_vsh,
     s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
-    BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
@@ -215,7 +224,8 @@ def _decode_split_kernel(
         vw_h = vw_ptr + h * s_vch
         vs_h = vs_ptr + h * s_vsh
         vz_h = vz_ptr + h * s_vsh
-        offs_t = tl.arange(0, G)
+        offs_t = tl.arange(0, BLOCK)
+        offs_grp = tl.arange(0, BLOCK // G)
         wk = tl.arange(0, DK // 4)
         wv = tl.arange(0, W // 4)
         kcols = wk[:, None] * 4 + tl.arange(0, 4)[None, :]  # [DK/4, 4]: channel within a key plane
@@ -223,32 +233,32 @@ def _decode_split_kernel(
         q1 = tl.load(q_col + (DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
         q2 = tl.load(q_col + (2 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
         q3 = tl.load(q_col + (3 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        for start in range(t0, t1, G):
+        for start in range(t0, t1, BLOCK):
             page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
             tp = start % P + offs_t  # token slots in the page
             tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
             kw = tl.load(kw_h + page * s_kcp + tp[:, None] * (DK // 4) + wk[None, :])
-            srow = ks_h + page * s_ksp + (start % P) // G * s_ksg
-            zrow = kz_h + page * s_ksp + (start % P) // G * s_ksg
-            s = tl.zeros([G, GP], tl.float32)
+            srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
+            zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
+            s = tl.zeros([BLOCK, GP], tl.float32)
             if HALF:
                 if KASM:
-                    f00, f01, g00, g01 = _key_pairs_asm(srow, zrow, 0, DK, KBITS, BF16)
-                    f10, f11, g10, g11 = _key_pairs_asm(srow, zrow, 1 % NK, DK, KBITS, BF16)
+                    f00, f01, g00, g01 = _key_pairs_asm(srow, zrow, 0, DK, G, KBITS, BF16)
+                    f10, f11, g10, g11 = _key_pairs_asm(srow, zrow, 1 % NK, DK, G, KBITS, BF16)
                     if NK == 4:
-                        f20, f21, g20, g21 = _key_pairs_asm(srow, zrow, 2, DK, KBITS, BF16)
-                        f30, f31, g30, g31 = _key_pairs_asm(srow, zrow, 3, DK, KBITS, BF16)
+                        f20, f21, g20, g21 = _key_pairs_asm(srow, zrow, 2, DK, G, KBITS, BF16)
+                        f30, f31, g30, g31 = _key_pairs_asm(srow, zrow, 3, DK, G, KBITS, BF16)
                     else:
                         f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                 else:
-                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, KBITS, DT)
+                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT)
                     if NK >= 2:
-                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, KBITS, DT)
+                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT)
                     else:
                         f10, f11, g10, g11 = f00, f01, g00, g01
                     if NK == 4:
-                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, KBITS, DT)
-                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, KBITS, DT)
+                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT)
+                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT)
                     else:
                         f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                 if KASM:
@@ -264,8 +274,11 @@ def _decode_split_kernel(
                         s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
             else:
                 for k in tl.static_range(NK):
-                    kk = plane_plain(kw, k, tl.load(srow + k * DK + kcols)[None], tl.load(zrow + k * DK + kcols)[None],
-                                     KBITS, DT)
+                    ks = tl.reshape(tl.broadcast_to(tl.load(srow[:, None, None] + k * DK + kcols[None])[:, None],
+                                                    [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
+                    kz = tl.reshape(tl.broadcast_to(tl.load(zrow[:, None, None] + k * DK + kcols[None])[:, None],
+                                                    [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
+                    kk = plane_plain(kw, k, ks, kz, KBITS, DT)
                     s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
             s = tl.where(tvalid[:, None], s * qk_scale, float("-inf"))
             m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
@@ -368,9 +381,16 @@ def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
     return not dot_f32 and not interpreting() and bits in (2, 4) and dtype in (torch.float16, torch.bfloat16)
 
 
-def _maxnreg(interp: bool) -> dict:
-    """Register cap per thread (more resident warps per SM); KIVI_DECODE_MAXNREG=0 lifts it."""
-    n = int(os.environ.get("KIVI_DECODE_MAXNREG", 128))
+def _step_tokens(page_size: int, group_size: int, interp: bool) -> int:
+    """Tokens per step of the paged loop: whole key groups inside one page, up to KIVI_DECODE_STEP (64)."""
+    cap = max(group_size, int(os.environ.get("KIVI_DECODE_STEP", 64)))
+    return max(g for g in (group_size * (1 << i) for i in range(8)) if g <= cap and page_size % g == 0)
+
+
+def _maxnreg(interp: bool, step: int) -> dict:
+    """Register cap per thread (more resident warps per SM): 128 for 32-token steps, none for larger
+    steps (they would spill); KIVI_DECODE_MAXNREG overrides (0 = none)."""
+    n = int(os.environ.get("KIVI_DECODE_MAXNREG", 128 if step <= 32 else 0))
     return {} if interp or n <= 0 else {"maxnreg": n}
 
 
@@ -437,7 +457,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     res_lengths = res_lengths.contiguous()
     interp = interpreting()
     ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device)
-    block_tokens(p, group_size, 256)  # page-size check (the kernel steps one group at a time)
+    block_tokens(p, group_size, 256)  # page-size check
+    blk = _step_tokens(p, group_size, interp)
     if k_codes.shape[-1] % 4 or v_codes.shape[-1] % 4:
         raise ValueError("code rows must be a whole number of 32-bit words (head_dim * bits / 8 % 4 == 0)")
     blk_r = 64 if interp else (32 if d <= 128 else 16)
@@ -462,13 +483,13 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         v_scale.stride(0), v_scale.stride(1),
         res_k.stride(0), res_k.stride(1), res_k.stride(2),
         res_v.stride(0), res_v.stride(1), res_v.stride(2),
-        GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK_R=blk_r,
+        GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
         KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
         KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
         VASM=not _plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
         num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)),
         num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),
-        **_maxnreg(interp),
+        **_maxnreg(interp, blk),
     )
     bs = min(triton.next_power_of_2(ns + 1), 32)
     _decode_reduce_kernel[(bsz * hq,)](

@@ -124,9 +124,9 @@ def pack2(lo, hi):
 
 @triton.jit
 def pack_channel_pairs(x, DT: tl.constexpr):
-    """x [W, 4] (channel 4w + b) -> (pair 0, pair 1), each [W] int32 holding channels (4w, 4w+1) and
+    """x [R, W, 4] (channel 4w + b) -> (pair 0, pair 1), each [R, W] int32 holding channels (4w, 4w+1) and
     (4w+2, 4w+3)."""
-    even, odd = tl.split(tl.reshape(x.to(DT), [x.shape[0], 2, 2]))
+    even, odd = tl.split(tl.reshape(x.to(DT), [x.shape[0], x.shape[1], 2, 2]))
     p0, p1 = tl.split(pack2(even, odd))
     return p0, p1
 
