@@ -5,10 +5,12 @@ inner loop inspected: instructions per step by opcode, registers, spills. This i
 kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending device time.
 
     python eval/sass_decode.py [KEY=VALUE ...]   e.g. KBITS=2 VBITS=2 GP=4 G=32 D=128
-    env: W (warps, default 1), S (stages, 3), R (maxnreg, 128; 0 = none)
+    env: W (warps, default 1), S (stages, 3), R (maxnreg, default 0 = none; the kernel caps 32-token steps at 128)
+    The last line printed is a JSON summary (used by tests/test_sass.py).
 """
 
 import collections
+import json
 import os
 import re
 import subprocess
@@ -71,11 +73,11 @@ def loops(sass):
 
 
 def main():
-    const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=32, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
+    const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
                  VASM=True, BF16=False)
     const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
     k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", 3)),
-                       int(os.environ.get("R", 128)))
+                       int(os.environ.get("R", 0)))
     with tempfile.TemporaryDirectory() as tmp:
         cub = os.path.join(tmp, "k.cubin")
         open(cub, "wb").write(k.asm["cubin"])
@@ -85,10 +87,15 @@ def main():
     print(const)
     print(" ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)))
     codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
-    for n, c in loops(sass):
+    found = list(loops(sass))
+    for n, c in found:
         print(f"loop: {n} instructions per step; spills in loop {c['STL'] + c['LDL']}; top: "
               + ", ".join(f"{k} {v}" for k, v in c.most_common(12)))
     print(f"(a step of the paged loop covers {const['BLOCK']} tokens = {codes} codes per lane with 1 warp)")
+    n, c = found[0]  # the paged loop comes first
+    spills = sum(v for k, v in c.items() if k.startswith(("STL", "LDL")))
+    print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
+                          hmma=sum(v for k, v in c.items() if k.startswith("HMMA")))))
 
 
 if __name__ == "__main__":
