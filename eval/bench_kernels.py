@@ -133,9 +133,6 @@ def verify(pool, q, rk, rv, rl, kb, vb, g, sm, slice_tokens):
 
 def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_bytes, device, gen, tm, bw, rounds, quick):
     q = torch.randn(b, hq, d, dtype=torch.float16, device=device, generator=gen)
-    rk = torch.randn(b, hkv, res + g - 1, d, dtype=torch.float16, device=device, generator=gen)
-    rv = torch.randn(b, hkv, res + g - 1, d, dtype=torch.float16, device=device, generator=gen)
-    rl = torch.full((b,), res_len, dtype=torch.int32, device=device)
     kf = torch.randn(b, hkv, ctx, d, dtype=torch.float16, device=device, generator=gen)
     vf = torch.randn(b, hkv, ctx, d, dtype=torch.float16, device=device, generator=gen)
     q4 = q[:, :, None, :]

@@ -37,7 +37,6 @@ the residual window plus the new tokens form the last chunk.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
