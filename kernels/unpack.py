@@ -99,19 +99,10 @@ def fold_pairs_asm(s, z, BITS: tl.constexpr, BF16: tl.constexpr):
     """``fold_scale`` on int32 tiles that hold (scale, scale) and (zero, zero) pairs of adjacent channels,
     as loaded from the fp16/bf16 pools viewed as int32: two packed instructions per pair (GPU only)."""
     if BITS == 4:
-        if BF16:
-            return tl.inline_asm_elementwise(FOLD4_BF16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
-                                             is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(FOLD4_F16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
-                                             is_pure=True, pack=1)
+        ASM: tl.constexpr = FOLD4_BF16 if BF16 else FOLD4_F16
     else:
-        if BF16:
-            return tl.inline_asm_elementwise(FOLD2_BF16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
-                                             is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(FOLD2_F16, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32),
-                                             is_pure=True, pack=1)
+        ASM: tl.constexpr = FOLD2_BF16 if BF16 else FOLD2_F16
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -155,21 +146,13 @@ def pairs_asm(words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7,
     """words [N, W] int32; (s2k+p, z2k+p): packed folded scales of plane k, pair p (broadcastable to
     words; planes beyond 8 // BITS are ignored). Returns 2 * (8 // BITS) int32 tiles, plane-major."""
     if BITS == 4:
-        if BF16:
-            return tl.inline_asm_elementwise(ASM4_BF16, CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
-                                             dtype=(tl.int32,) * 4, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(ASM4_F16, CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
-                                             dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        ASM: tl.constexpr = ASM4_BF16 if BF16 else ASM4_F16
+        return tl.inline_asm_elementwise(ASM, CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     else:
-        if BF16:
-            return tl.inline_asm_elementwise(ASM2_BF16, CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3,
-                                                               s4, z4, s5, z5, s6, z6, s7, z7],
-                                             dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(ASM2_F16, CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3,
-                                                              s4, z4, s5, z5, s6, z6, s7, z7],
-                                             dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        ASM: tl.constexpr = ASM2_BF16 if BF16 else ASM2_F16
+        return tl.inline_asm_elementwise(ASM, CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6,
+                                                     s7, z7], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
