@@ -10,6 +10,7 @@ from .compat import cache_arg_name, cache_kwargs
 from .config import QuantConfig
 from .memory import MemoryReport
 from .ops import get_backend, set_backend
+from .static import StaticQuantizedPagedCache
 
 hook.install()
 
@@ -18,6 +19,7 @@ __all__ = [
     "Int4PagedCache",
     "Int2PagedCache",
     "Int8PagedCache",
+    "StaticQuantizedPagedCache",
     "QuantConfig",
     "MemoryReport",
     "cache_arg_name",

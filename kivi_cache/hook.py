@@ -38,6 +38,13 @@ def _served(module, query, dropout, kwargs) -> bool:
 def kivi_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            **kwargs):
     """An attention function for transformers' ``AttentionInterface`` (same signature as sdpa's)."""
+    static = getattr(module, "_kivi_static", None)  # a StaticQuantizedPagedCache bound to this model
+    if static is not None:
+        layer = static.layers[module.layer_idx]
+        if layer.static and key is layer.res_k:
+            if scaling is None:
+                scaling = query.shape[-1] ** -0.5
+            return layer.attend_static(query, scaling), None
     if not isinstance(key, KVHandle):
         return _original_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if not _served(module, query, dropout, kwargs):

@@ -1,0 +1,227 @@
+"""A compileable variant of the cache: fixed shapes and device-side state during decode (experimental).
+
+``StaticQuantizedPagedCache(model, max_cache_len)`` stores the prompt like
+:class:`~kivi_cache.QuantizedPagedCache` (eagerly), then switches every layer to a static
+decode mode in which a step is tensor operations only, so ``torch.compile`` (``fullgraph``,
+CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
+(``is_compileable``):
+
+* every sequence owns a fixed range of pages for ``max_cache_len`` tokens (block table built
+  once, no page allocation while decoding);
+* quantized length, residual length and sink count are device tensors;
+* the flush of a full group is done every step without a host branch: sequences whose
+  window is not full write their group to a scratch page;
+* the paged ops are ``torch.library`` custom ops (``kivi_cache::paged_decode_attention``,
+  ``kivi_cache::quantize_and_write``), opaque to the compiler and captured whole by CUDA graphs;
+* attention finds its layer through the attention module it is called for (the cache binds
+  itself to the model's attention modules: one static cache per model at a time).
+
+Same stored values and attention as ``QuantizedPagedCache`` with the same settings (tested
+token for token). Not supported in static mode: beam search, cropping, several tokens per
+sequence after the prompt (assisted decoding), growing past ``max_cache_len``.
+Status: verified on CPU (eager, ``torch.compile``); the GPU compile path is not measured yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .cache import QuantizedPagedCache
+from .layer import QuantizedPagedLayer
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("kivi_cache::paged_decode_attention", mutates_args=())
+def _decode_op(q: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor, k_codes: torch.Tensor,
+               k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+               v_zero: torch.Tensor, res_k: torch.Tensor, res_v: torch.Tensor, res_lengths: torch.Tensor,
+               key_bits: int, value_bits: int, group_size: int, sm_scale: float) -> torch.Tensor:
+    return ops.paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                      res_k=res_k, res_v=res_v, res_lengths=res_lengths, key_bits=key_bits,
+                                      value_bits=value_bits, group_size=group_size, sm_scale=sm_scale)
+
+
+@_decode_op.register_fake
+def _(q, *args):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kivi_cache::quantize_and_write",
+                         mutates_args=("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))
+def _quantize_op(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, k_codes: torch.Tensor,
+                 k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                 v_zero: torch.Tensor, key_bits: int, value_bits: int, group_size: int) -> None:
+    ops.quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                           key_bits=key_bits, value_bits=value_bits, group_size=group_size)
+
+
+@_quantize_op.register_fake
+def _(*args):
+    return None
+
+
+# ----------------------------------------------------------------------------- layer
+
+
+class StaticQuantizedPagedLayer(QuantizedPagedLayer):
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, cfg, max_cache_len: int):
+        super().__init__(cfg)
+        self.max_cache_len = max_cache_len
+        self.static = False
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def commit(self, step, valid=None) -> None:
+        super().commit(step, valid)
+        if not self.static:
+            self._to_static()
+
+    def _to_static(self) -> None:
+        """After the prompt: fixed pages for every sequence, a scratch page, state as device tensors."""
+        cfg = self.cfg
+        if self.seen >= self.max_cache_len:
+            raise ValueError(f"the prompt ({self.seen} tokens) does not fit max_cache_len={self.max_cache_len}")
+        maxp = -(-self.max_cache_len // cfg.page_size)
+        for table in self.tables:
+            while len(table) < maxp:
+                table.append(self.pool.allocate())
+        self.scratch = self.pool.allocate()  # never read: target of groups that are not full
+        self._dev = None
+        bt, ql, rl = self._device_state()
+        self.block_table, self.q_len, self.r_len = bt, ql.clone(), rl.clone()
+        self.sink_len = torch.tensor(self.sinks, dtype=torch.int32, device=self.device)
+        self.seen_t = torch.tensor(self.seen, device=self.device)
+        self.static = True
+        if not torch.compiler.is_compiling():
+            for t in (*self.pool.args(), self.res_k, self.res_v, self.block_table, self.q_len, self.r_len,
+                      self.sink_len, self.seen_t):
+                torch._dynamo.mark_static_address(t)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.static:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if key_states.shape[2] != 1:
+            raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step "
+                             "is supported (no assisted decoding or chunked continuation); use QuantizedPagedCache")
+        cfg, g, h, d = self.cfg, self.cfg.group_size, self.num_heads, self.head_dim
+        dev = key_states.device
+        rows = torch.arange(key_states.shape[0], device=dev)
+        self.res_k[rows, :, self.r_len.long()] = key_states[:, :, 0].to(self.dtype)
+        self.res_v[rows, :, self.r_len.long()] = value_states[:, :, 0].to(self.dtype)
+        self.r_len.add_(1)
+        self.sink_len.copy_(torch.where(self.sink_len < cfg.sink_length, self.sink_len + 1, self.sink_len))
+        full = (self.r_len - self.sink_len) >= cfg.residual_length + g
+        # flush: the G oldest window tokens of full sequences go to their page; the others to the scratch page
+        first = self.sink_len.long()[:, None] + torch.arange(g, device=dev)
+        gi = first[:, None, :, None].expand(-1, h, -1, d)
+        k_grp = torch.gather(self.res_k, 2, gi)
+        v_grp = torch.gather(self.res_v, 2, gi)
+        page = self.block_table.gather(1, (self.q_len.long() // cfg.page_size)[:, None].clamp(
+            max=self.block_table.shape[1] - 1))[:, 0]
+        page = torch.where(full, page, torch.full_like(page, self.scratch))
+        slot = torch.where(full, self.q_len % cfg.page_size, torch.zeros_like(self.q_len))
+        torch.ops.kivi_cache.quantize_and_write(k_grp.contiguous(), v_grp.contiguous(), page, slot,
+                                                *self.pool.args(), cfg.key_bits, cfg.value_bits, g)
+        self.q_len.add_(g * full.int())
+        # shift the window of full sequences left by G (behind the sinks)
+        pos = torch.arange(self.res_k.shape[2], device=dev)
+        src = (pos[None] + g * (full[:, None] & (pos[None] >= self.sink_len[:, None])).long()).clamp(
+            max=self.res_k.shape[2] - 1)
+        si = src[:, None, :, None].expand(-1, h, -1, d)
+        self.res_k.copy_(torch.gather(self.res_k, 2, si))
+        self.res_v.copy_(torch.gather(self.res_v, 2, si))
+        self.r_len.sub_(g * full.int())
+        self.seen_t.add_(1)
+        return self.res_k, self.res_v
+
+    def attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        cfg = self.cfg
+        out = torch.ops.kivi_cache.paged_decode_attention(
+            query[:, :, 0].contiguous(), self.block_table, self.q_len, *self.pool.args(), self.res_k, self.res_v,
+            self.r_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling))
+        return out[:, None]
+
+    def get_seq_length(self):
+        return self.seen_t if self.static else self.seen
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        if self.static:
+            return self.max_cache_len, 0
+        return super().get_mask_sizes(query_length, *args)
+
+    def _unsupported(self, what):
+        if self.static:
+            raise NotImplementedError(f"StaticQuantizedPagedCache does not support {what} after the prompt; "
+                                      "use QuantizedPagedCache")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("beam search")
+        super().reorder_cache(beam_idx)
+
+    def crop(self, tokens_to_remove):
+        self._unsupported("crop")
+        super().crop(tokens_to_remove)
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats):
+        self._unsupported("batch_repeat_interleave")
+        super().batch_repeat_interleave(repeats)
+
+    def memory_stats(self) -> dict:
+        if not self.static:
+            return super().memory_stats()
+        self.q_lens = self.q_len.tolist()  # the eager bookkeeping the report reads
+        self.r_lens = self.r_len.tolist()
+        self.sinks = self.sink_len.tolist()
+        return super().memory_stats()
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+class StaticQuantizedPagedCache(QuantizedPagedCache):
+    """``QuantizedPagedCache`` with fixed shapes while decoding, for ``torch.compile`` / CUDA graphs.
+
+    Args:
+        model: the model it will serve (its attention modules are bound to this cache).
+        max_cache_len: prompt plus generated tokens per sequence, at most.
+        **quant: ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``,
+            ``sink_length`` as for :class:`QuantizedPagedCache` (defaults: the Int4 preset).
+    """
+
+    def __init__(self, model, max_cache_len: int, **quant):
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        kw = dict(key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=4)
+        kw.update(quant)
+        super().__init__(config=model.config, **kw)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len)
+                       for _ in range(text.num_hidden_layers)]
+        bound = 0
+        for module in model.modules():
+            if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
+                module._kivi_static = self  # the newest static cache of this model wins
+                bound += 1
+        if bound != text.num_hidden_layers:
+            raise ValueError(f"StaticQuantizedPagedCache found {bound} attention modules with a layer_idx for "
+                             f"{text.num_hidden_layers} layers; this model is not supported")
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def get_max_length(self) -> int:
+        return self.layers[0].max_cache_len

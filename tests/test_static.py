@@ -1,0 +1,87 @@
+"""StaticQuantizedPagedCache: same tokens as QuantizedPagedCache, no graph breaks, torch.compile gives the
+same logits, clear errors for what static mode does not do."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kivi_cache import QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs
+from models import tiny_llama, tiny_qwen2
+
+CFG = dict(key_bits=4, value_bits=2, group_size=16, residual_length=16, page_size=32, sink_length=2)
+
+
+def _generate(model, ids, cache, n=30):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+def test_static_generates_the_dynamic_caches_tokens(make):
+    model = make()
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(3))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG))
+    cache = StaticQuantizedPagedCache(model, 128, **CFG)
+    out = _generate(model, ids, cache)
+    assert torch.equal(out, ref)  # 30 steps: flushes every 16 tokens, sinks, GQA (qwen2)
+    report = cache.memory_report()
+    assert report.quantized_tokens > 0 and report.sink_tokens == 2 * 2 * model.config.num_hidden_layers
+    assert cache.is_compileable and not QuantizedPagedCache().is_compileable
+
+
+def _decode_logits(model, ids, forward, steps):
+    cache = StaticQuantizedPagedCache(model, 96, **CFG)
+    logits = []
+    with torch.no_grad():
+        out = model(ids, **cache_kwargs(model, cache))
+        tok = out.logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            out = forward(tok, **cache_kwargs(model, cache), cache_position=torch.full((1,), ids.shape[1] + i))
+            logits.append(out.logits[:, -1].float())
+            tok = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits, 1), cache
+
+
+def test_decode_step_has_no_graph_breaks_and_compiles_to_the_same_logits():
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(5))
+    cache = StaticQuantizedPagedCache(model, 96, **CFG)
+    with torch.no_grad():
+        tok = model(ids, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+        explain = torch._dynamo.explain(model)(tok, **cache_kwargs(model, cache), cache_position=torch.full((1,), 40))
+    assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons]
+    torch._dynamo.reset()
+    eager, _ = _decode_logits(model, ids, model.forward, 20)
+    compiled, cache = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), 20)
+    assert torch.equal(eager, compiled)  # 20 steps include a flush of a group into the pages
+    assert int(cache.layers[0].q_len.max()) > 0
+
+
+def test_static_errors():
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (1, 40))
+    with pytest.raises(ValueError, match="max_cache_len"):
+        StaticQuantizedPagedCache(model, 0)
+    cache = StaticQuantizedPagedCache(model, 30, **CFG)
+    with pytest.raises(ValueError, match="max_cache_len"), torch.no_grad():
+        model(ids, **cache_kwargs(model, cache))
+    cache = StaticQuantizedPagedCache(model, 96, **CFG)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(model, cache))
+        with pytest.raises(ValueError, match="one token per sequence"):
+            model(ids[:, :3], **cache_kwargs(model, cache))
+    with pytest.raises(NotImplementedError, match="beam search"):
+        cache.reorder_cache(torch.tensor([0]))
+
+
+def test_binding_does_not_capture_other_caches():
+    """A model bound to a static cache still serves other caches normally."""
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (1, 40))
+    q8 = dict(key_bits=8, value_bits=8, group_size=16, residual_length=16, page_size=32)
+    before = [_generate(model, ids, DynamicCache(), n=8), _generate(model, ids, QuantizedPagedCache(**q8), n=8)]
+    static = StaticQuantizedPagedCache(model, 96, **CFG)
+    _generate(model, ids, static, n=8)
+    after = [_generate(model, ids, DynamicCache(), n=8), _generate(model, ids, QuantizedPagedCache(**q8), n=8)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
