@@ -117,6 +117,9 @@ MODELS = {
                  intermediate_size=256, vocab_size=256, rope_theta=10000.0),
 }
 CACHES = ("fp16", "kivi-int4", "kivi-int2", "quanto-int4", "quanto-int2")
+# compiled decoding (issue 4 part 3), opt-in with --caches: generate compiles the decode step of a
+# compileable cache on its own (CUDA graphs with the default compile config)
+STATIC_CACHES = ("fp16-static", "kivi-int4-static")
 CASES = ("short", "long", "ctx", "maxbatch")
 KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache}
 # kernel names that would mean decode attention ran outside kivi_cache's kernels
@@ -304,6 +307,14 @@ def kv_theory(cache_name: str, shapes: dict, args) -> float:
 def make_cache(name: str, model, batch: int, total_len: int, args, quanto_info: dict):
     if name == "fp16":
         return DynamicCache(config=model.config)
+    if name == "fp16-static":
+        from transformers import StaticCache  # noqa: PLC0415
+
+        return StaticCache(config=model.config, max_cache_len=total_len)
+    if name == "kivi-int4-static":
+        from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415
+
+        return StaticQuantizedPagedCache(model, total_len)
     if name.startswith("quanto-"):
         if not quanto_info["available"]:
             raise ImportError(quanto_info["error"])
@@ -904,7 +915,7 @@ def plots(result: dict, out_path: str) -> list[str]:
         return []
     stem = os.path.splitext(out_path)[0]
     files = []
-    colors = {c: f"C{i}" for i, c in enumerate(CACHES)}
+    colors = {c: f"C{i}" for i, c in enumerate(CACHES + STATIC_CACHES)}
     # throughput vs batch size
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
     for ax, m in zip(axes[0], models, strict=True):
@@ -981,7 +992,8 @@ def parse_args(argv=None):
                                                   "bench_generate.json"))
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, few tokens (CPU-capable smoke run)")
     ap.add_argument("--models", default=None, help=f"comma list of {list(MODELS)} (default llama2-7b,llama3-8b)")
-    ap.add_argument("--caches", default=None, help=f"comma list of {list(CACHES)} (default all)")
+    ap.add_argument("--caches", default=None,
+                    help=f"comma list of {list(CACHES + STATIC_CACHES)} (default: {list(CACHES)})")
     ap.add_argument("--cases", default=None, help=f"comma list of {list(CASES)} (default all)")
     ap.add_argument("--prompt", type=int, default=None, help="short case prompt (1024)")
     ap.add_argument("--new", type=int, default=None, help="short case new tokens (256)")
@@ -1026,7 +1038,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.models = names(args.models, MODELS)
-    args.caches = names(args.caches, CACHES)
+    args.caches = names(args.caches, CACHES + STATIC_CACHES)
     args.cases = names(args.cases, CASES)
     args.ctx_prompts = ints(args.ctx_prompts)
     args.batch_prompts = ints(args.batch_prompts)
