@@ -163,3 +163,17 @@ def test_max_batch_search_against_a_memory_model(monkeypatch, tmp_path):
     row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget)
     assert row["search_stopped_early"] and row["batch"] == 8
     assert all(b <= 8 for b, _ in calls)
+
+
+def test_static_caches_run(tmp_path):
+    """The compiled-decoding rows (opt-in caches) run end to end (on CPU generate does not compile)."""
+    out = tmp_path / "static.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out), "--no-plot",
+           "--caches", "fp16-static,kivi-int4-static", "--cases", "short,long"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["cache"], r["case"]) for r in rows} == {(c, k) for c in ("fp16-static", "kivi-int4-static")
+                                                       for k in ("short", "long")}
+    assert all(r["status"] == "ok" and r["decode_step_ms"] == r["decode_step_ms"] for r in rows), rows
