@@ -122,26 +122,23 @@ def _rows(x, G: tl.constexpr):
 
 @triton.jit
 def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-               DT: tl.constexpr):
+               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
     """Folded, pair-packed key scales of plane k for the step's groups (``srow``/``zrow``: [GPS] row
-    pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token)."""
-    sf, zf = fold_scale(tl.load(srow[:, None, None] + k * DK + kcols[None]),
-                        tl.load(zrow[:, None, None] + k * DK + kcols[None]), BITS, DT)
-    s0, s1 = pack_channel_pairs(sf, DT)
-    z0, z1 = pack_channel_pairs(zf, DT)
-    return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
-
-
-@triton.jit
-def _key_pairs_asm(srow, zrow, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                   BF16: tl.constexpr):
-    """``_key_pairs`` on the GPU: the pairs are loaded as int32 (the pools viewed as int32) and folded by
-    PTX in packed half2 arithmetic, with no repacking."""
-    offs = (k * (DK // 2) + tl.arange(0, DK // 2))[None, :]  # int32 pairs of plane k: word w, pair p at 2w + p
-    sf, zf = fold_pairs_asm(tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs),
-                            tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs), BITS, BF16)
-    s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
-    z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
+    pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token).
+    With ``ASM`` (GPU) the pairs are loaded as int32 (the pools viewed as int32) and folded by PTX in
+    packed half2 arithmetic, with no repacking; else folded in Triton and packed."""
+    if ASM:
+        offs = (k * (DK // 2) + tl.arange(0, DK // 2))[None, :]  # int32 pairs of plane k: word w, pair p at 2w + p
+        sf, zf = fold_pairs_asm(tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs),
+                                tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs),
+                                BITS, BF16)
+        s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
+        z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
+    else:
+        sf, zf = fold_scale(tl.load(srow[:, None, None] + k * DK + kcols[None]),
+                            tl.load(zrow[:, None, None] + k * DK + kcols[None]), BITS, DT)
+        s0, s1 = pack_channel_pairs(sf, DT)
+        z0, z1 = pack_channel_pairs(zf, DT)
     return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
 
 
@@ -241,36 +238,26 @@ def _decode_split_kernel(
             zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
             s = tl.zeros([BLOCK, GP], tl.float32)
             if HALF:
-                if KASM:
-                    f00, f01, g00, g01 = _key_pairs_asm(srow, zrow, 0, DK, G, KBITS, BF16)
-                    f10, f11, g10, g11 = _key_pairs_asm(srow, zrow, 1 % NK, DK, G, KBITS, BF16)
-                    if NK == 4:
-                        f20, f21, g20, g21 = _key_pairs_asm(srow, zrow, 2, DK, G, KBITS, BF16)
-                        f30, f31, g30, g31 = _key_pairs_asm(srow, zrow, 3, DK, G, KBITS, BF16)
-                    else:
-                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM)
+                if NK >= 2:
+                    f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM)
                 else:
-                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT)
-                    if NK >= 2:
-                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT)
-                    else:
-                        f10, f11, g10, g11 = f00, f01, g00, g01
-                    if NK == 4:
-                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT)
-                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT)
-                    else:
-                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                    f10, f11, g10, g11 = f00, f01, g00, g01
+                if NK == 4:
+                    f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM)
+                    f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM)
+                else:
+                    f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                 if KASM:
                     kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
                                    f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16)
-                    for k in tl.static_range(NK):
+                for k in tl.static_range(NK):
+                    if KASM:
                         kk = plane(kp[2 * k], kp[2 * k + 1], DT)
-                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
-                else:
-                    for k in tl.static_range(NK):
+                    else:
                         kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
                                             _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT)
-                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+                    s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
             else:
                 for k in tl.static_range(NK):
                     ks = tl.reshape(tl.broadcast_to(tl.load(srow[:, None, None] + k * DK + kcols[None])[:, None],

@@ -78,13 +78,15 @@ class QuantizedPagedCache(Cache):
         return MemoryReport.from_layers(self.layers)
 
 
+INT4_PRESET = dict(key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=4)
+
+
 class Int4PagedCache(QuantizedPagedCache):
     """4-bit keys and values, group 32, residual 128 (KIVI's setting) plus 4 attention-sink tokens in full
     precision. SmolLM2 streaming perplexity (eval/NOTES.md): +0.00% with the sinks, +0.14% without."""
 
     def __init__(self, **overrides):
-        kw = dict(key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=4)
-        kw.update(overrides)
+        kw = dict(INT4_PRESET, **overrides)
         super().__init__(**kw)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .cache import QuantizedPagedCache
+from .cache import INT4_PRESET, QuantizedPagedCache
 from .layer import QuantizedPagedLayer
 
 # ----------------------------------------------------------------------------- custom ops
@@ -201,9 +201,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
     def __init__(self, model, max_cache_len: int, **quant):
         if not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
-        kw = dict(key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=4)
-        kw.update(quant)
-        super().__init__(config=model.config, **kw)
+        super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len)
                        for _ in range(text.num_hidden_layers)]
