@@ -295,6 +295,7 @@ def kv_theory(cache_name: str, shapes: dict, args) -> float:
     """Bytes per token of the stored KV, all layers, without any full-precision residual window."""
     elems = 2 * shapes["layers"] * shapes["kv_heads"] * shapes["head_dim"]  # keys + values
     elt = shapes["kv_bytes_per_token_fp"] / elems
+    cache_name = cache_name.removesuffix("-static")
     if cache_name == "fp16":
         return float(shapes["kv_bytes_per_token_fp"])
     bits = 4 if cache_name.endswith("int4") else 2
