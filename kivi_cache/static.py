@@ -77,6 +77,12 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        need = key_states.shape[0] * -(-self.max_cache_len // self.cfg.page_size) + 1  # + the scratch page
+        if self.pool.capacity < need:  # the whole pool at once: no doubling growth, nothing to copy later
+            self.pool._grow(need)
+
     def commit(self, step, valid=None) -> None:
         super().commit(step, valid)
         if not self.static:
@@ -105,6 +111,9 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.static:
+            if self.seen + key_states.shape[2] >= self.max_cache_len:
+                raise ValueError(f"the prompt ({self.seen + key_states.shape[2]} tokens) does not fit "
+                                 f"max_cache_len={self.max_cache_len} (prompt + new tokens)")
             return super().update(key_states, value_states, *args, **kwargs)
         if key_states.shape[2] != 1:
             raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step "

@@ -28,6 +28,7 @@ def test_static_generates_the_dynamic_caches_tokens(make):
     report = cache.memory_report()
     assert report.quantized_tokens > 0 and report.sink_tokens == 2 * 2 * model.config.num_hidden_layers
     assert cache.is_compileable and not QuantizedPagedCache().is_compileable
+    assert cache.layers[0].pool.capacity == 2 * (128 // 32) + 1  # allocated once: every sequence's pages + scratch
 
 
 def _decode_logits(model, ids, forward, steps):
