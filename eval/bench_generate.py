@@ -94,6 +94,9 @@ import types
 
 T_START = time.perf_counter()
 
+if "--no-expandable" not in sys.argv:  # before torch touches CUDA: less fragmentation for every cache alike
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -373,14 +376,24 @@ def prompt_ids(batch: int, length: int, vocab: int, device, seed: int = 0):
     return torch.randint(3, vocab, (batch, length), generator=g).to(device)
 
 
+def prefill_chunk(args, batch: int, prompt: int) -> int | None:
+    """``prefill_chunk_size`` for generate: about ``--prefill-tokens`` tokens per forward over the batch
+    (None: one forward for the whole prompt)."""
+    if not args.prefill_tokens or batch * prompt <= args.prefill_tokens:
+        return None
+    return max(16, args.prefill_tokens // batch // 16 * 16)
+
+
 def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_cache: bool = False,
-                 cache_len: int | None = None) -> dict:
+                 cache_len: int | None = None, chunked: bool = False) -> dict:
     """One timed ``generate``; raises on failure (the caller records it). ``cache_len``: the static
     caches' ``max_cache_len`` (default prompt + new); the batch-1 cases give every run of a case the
     same one, so the compiled decode step is traced once per case, in the warm-up."""
     model, dev, args = ctx["model"], ctx["dev"], ctx["args"]
     ids = prompt_ids(batch, prompt, model.config.vocab_size, dev.device)
     total = cache_len if cache_len and cache_name.endswith("static") else prompt + new
+    chunk = prefill_chunk(args, batch, prompt) if chunked else None
+    extra = {} if chunk is None else {"prefill_chunk_size": chunk}
     cache = make_cache(cache_name, model, batch, total, args, ctx["quanto"])
     timer = StepTimer(dev)
     dev.free()
@@ -390,10 +403,10 @@ def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_c
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                             stopping_criteria=StoppingCriteriaList([timer]))
+                             stopping_criteria=StoppingCriteriaList([timer]), **extra)
     dev.sync()
     t = time.perf_counter() - t0
-    res = {"t": t, "peak": dev.peak(), "generated": int(out.shape[1] - prompt)}
+    res = {"t": t, "peak": dev.peak(), "generated": int(out.shape[1] - prompt), "prefill_chunk": chunk}
     del out
     stamps = timer.times
     if stamps:
@@ -698,7 +711,7 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
     log_trials = []
 
     def trial(b: int, new: int) -> dict | None:
-        res, err = attempt(lambda: run_generate(ctx, cache, b, p, new))
+        res, err = attempt(lambda: run_generate(ctx, cache, b, p, new, chunked=True))
         entry = dict(batch=b, new=new, ok=err is None)
         if err:
             entry.update(err)
@@ -777,7 +790,7 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
     if not runner.fits_in_time(est):
         return dict(row, status="skipped", skip_reason="time budget",
                     error=f"time budget: measurement at batch {lo} (~{est:.0f} s) did not fit (use --resume)")
-    res, err = attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True))
+    res, err = attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True, chunked=True))
     if err:
         return dict(row, **err, status="error")
     n, m = args.batch_new, args.trial_new
@@ -788,6 +801,7 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
                step_ms_timer=None if timer is None else timer * 1e3,
                decode_tok_s_timer=None if not timer else lo / timer, ttft_s=res.get("ttft"),
                prefill_s=None if step is None else max(0.0, tr["t"] - (m - 1) * step), peak_bytes=res["peak"],
+               prefill_chunk=res["prefill_chunk"],
                **res.get("cache_stats", {}))
     if dev.cuda and budget and res["peak"] and res["peak"] > budget:
         row["note"] = "peak above the budget: the memory fraction was not enforced"
@@ -1020,6 +1034,11 @@ def parse_args(argv=None):
     ap.add_argument("--batch-tol", type=float, default=0.04, help="relative precision of the max batch (0.04)")
     ap.add_argument("--max-batch-cap", type=int, default=None, help="largest batch tried (2048)")
     ap.add_argument("--no-predict", action="store_true", help="max-batch search: plain doubling from batch 1")
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="max batch: chunked prefill (generate's prefill_chunk_size) with about this many tokens "
+                         "per forward over the batch, for every cache alike (0: one forward; default 65536)")
+    ap.add_argument("--no-expandable", action="store_true",
+                    help="do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by default)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration (2)")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (510)")
     ap.add_argument("--min-row-s", type=float, default=None,
@@ -1045,7 +1064,7 @@ def parse_args(argv=None):
              long_new=4 if q else 64, ctx_prompts="96" if q else "4096,8192,16384", ctx_new=3 if q else 8,
              batch_prompts="48" if q else "1024,4096", batch_new=6 if q else 64, trial_new=3 if q else 16,
              max_batch_cap=4 if q else 2048, repeats=1 if q else 2, time_budget=120.0 if q else 510.0,
-             min_row_s=0.0 if q else 25.0, threads=1 if q else 0)
+             min_row_s=0.0 if q else 25.0, threads=1 if q else 0, prefill_tokens=64 if q else 65536)
     for k, v in d.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

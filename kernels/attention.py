@@ -487,72 +487,66 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
 
 # ----------------------------------------------------------------------------- prefix
 
-def _partial(qf, k, v, valid, sm_scale):
-    """qf [B, Hkv, grp, L, D] fp32; k/v [B, Hkv, S, D]; valid [B, 1|L, S] ->
-    (m, l) [B, Hkv, grp, L] and acc [B, Hkv, grp, L, D] (unnormalised)."""
-    kf = k.float()
-    s = torch.einsum("bhgld,bhsd->bhgls", qf, kf) * sm_scale
-    s = s.masked_fill(~valid[:, None, None], float("-inf"))
-    m = s.amax(-1)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(s - m_safe[..., None])
-    return m, p.sum(-1), torch.einsum("bhgls,bhsd->bhgld", p, v.float())
-
-
-def _merge(state, part):
-    if state is None:
-        return part
-    m0, l0, a0 = state
-    m1, l1, a1 = part
-    m = torch.maximum(m0, m1)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w0 = torch.exp(m0 - m_safe)
-    w1 = torch.exp(m1 - m_safe)
-    return m, l0 * w0 + l1 * w1, a0 * w0[..., None] + a1 * w1[..., None]
+PREFIX_SLICE_BYTES = 512 << 20  # working set of one batch slice of the prefix path
 
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
-                           group_size: int, sm_scale: float, *, chunk_tokens: int | None = None):
-    """Triton-assisted twin of :func:`kivi_cache.reference.paged_prefix_attention`.
+                           group_size: int, sm_scale: float, *, batch_slice: int | None = None):
+    """Triton-assisted twin of :func:`kivi_cache.reference.paged_prefix_attention` (several query tokens
+    per sequence over the quantized past: chunked prefill, continued generation, assisted decoding).
 
-    The quantized history is dequantized ``chunk_tokens`` (a multiple of the
-    page size) at a time by the Triton dequant kernel into a bounded buffer and
-    attended in fp32 torch; partial results merge by log-sum-exp. One device
-    sync (``lengths.max()``).
+    A slice of the batch at a time: its pages are dequantized by the Triton dequant kernel into a
+    buffer of that slice's history only, the residual window and the new tokens are appended, and
+    ``torch.nn.functional.scaled_dot_product_attention`` (a fused kernel on the GPU: no score matrix
+    in memory) runs over it with the query heads of each KV head stacked along the query axis
+    (grouped-query attention without repeating keys). Slices hold at most ``PREFIX_SLICE_BYTES``
+    (512 MiB) of keys, values and mask; ``batch_slice`` fixes the sequences per slice instead.
+    One device sync (``lengths.max()``).
     """
     bsz, hq, ql, d = q.shape
     _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
     _, hkv, p, _ = k_codes.shape
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    out = torch.empty_like(q)
+    if bsz == 0 or ql == 0:
+        return out
     grp = hq // hkv
-    qf = q.float().reshape(bsz, hkv, grp, ql, d)
-    if chunk_tokens is None:
-        by_buf = (1 << 24) // max(1, bsz * hkv * d)  # dequant buffer <= 16M elements
-        by_scores = (1 << 26) // max(1, bsz * hq * ql)  # scores <= 64M elements
-        chunk_tokens = max(p, min(by_buf, by_scores) // p * p)
-    chunk_pages = max(1, chunk_tokens // p)
-    lengths_l = lengths.long()
-    t_max = int(lengths_l.max()) if bsz else 0
-    state = None
-    for p0 in range(0, -(-t_max // p), chunk_pages):
-        p1 = p0 + chunk_pages
-        lens_c = (lengths_l - p0 * p).clamp(0, chunk_pages * p)
-        bt_c = block_table[:, p0:p1]
-        kk, vv = dequantize_pages(bt_c, lens_c, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                  key_bits, value_bits, group_size, max_len=bt_c.shape[1] * p)
-        kk = kk.to(res_k.dtype)
-        vv = vv.to(res_v.dtype)
-        pos = torch.arange(kk.shape[2], device=q.device)
-        valid = (pos[None, :] < lens_c[:, None])[:, None, :]
-        state = _merge(state, _partial(qf, kk, vv, valid, sm_scale))
+    dt = q.dtype
+    t_max = int(lengths.max())
     c = res_k.shape[2]
-    pos = torch.arange(c, device=q.device)
-    rvalid = (pos[None, :] < res_lengths.long()[:, None])[:, None, :].expand(-1, ql, -1)
-    k_last = torch.cat([res_k, new_k.to(res_k.dtype)], dim=2)
-    v_last = torch.cat([res_v, new_v.to(res_v.dtype)], dim=2)
-    valid = torch.cat([rvalid, new_mask.bool()], dim=2)
-    m, l, acc = _merge(state, _partial(qf, k_last, v_last, valid, sm_scale))
-    out = acc / l[..., None]
-    return out.reshape(bsz, hq, ql, d).to(q.dtype)
+    s_len = t_max + c + ql
+    s_pad = -(-s_len // 16) * 16  # aligned key axis for the fused kernels' mask; pads are masked out
+    if batch_slice is None:
+        elt = torch.finfo(dt).bits // 8
+        per_seq = 2 * hkv * s_pad * d * elt + grp * ql * s_pad * (1 + elt) + 2 * hq * ql * d * elt
+        batch_slice = max(1, PREFIX_SLICE_BYTES // per_seq)
+    pos = torch.arange(s_pad, device=q.device)
+    for b0 in range(0, bsz, batch_slice):
+        sl = slice(b0, min(bsz, b0 + batch_slice))
+        n = sl.stop - sl.start
+        k = torch.zeros(n, hkv, s_pad, d, dtype=dt, device=q.device)
+        v = torch.zeros_like(k)
+        if t_max and k_scale.dtype == dt:
+            dequantize_pages(block_table[sl], lengths[sl], k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                             key_bits, value_bits, group_size, max_len=t_max, out=(k[:, :, :t_max], v[:, :, :t_max]))
+        elif t_max:
+            kk, vv = dequantize_pages(block_table[sl], lengths[sl], k_codes, k_scale, k_zero, v_codes, v_scale,
+                                      v_zero, key_bits, value_bits, group_size, max_len=t_max)
+            k[:, :, :t_max] = kk
+            v[:, :, :t_max] = vv
+        k[:, :, t_max:t_max + c] = res_k[sl]
+        v[:, :, t_max:t_max + c] = res_v[sl]
+        k[:, :, t_max + c:s_len] = new_k[sl]
+        v[:, :, t_max + c:s_len] = new_v[sl]
+        hist = pos[None, :] < lengths[sl].long()[:, None]
+        hist |= ((pos[None, :] >= t_max) & (pos[None, :] < t_max + res_lengths[sl].long()[:, None]))
+        mask = hist[:, None, :].expand(n, ql, s_pad).clone()
+        mask[:, :, t_max + c:s_len] = new_mask[sl]
+        mask[:, :, 0] |= ~mask.any(-1)  # a query with nothing to attend to (padding): defined, ignored output
+        mask = mask[:, None].expand(n, grp, ql, s_pad).reshape(n, 1, grp * ql, s_pad)
+        qs = q[sl].reshape(n, hkv, grp * ql, d)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=float(sm_scale))
+        out[sl] = o.reshape(n, hq, ql, d)
+    return out

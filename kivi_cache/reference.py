@@ -104,7 +104,9 @@ def _attend(q, k, v, valid, sm_scale):
     scores = qf @ k.float().transpose(-1, -2) * sm_scale  # [B, Hkv, grp*L, S]
     scores = scores.reshape(bsz, hkv, grp, ql, -1)
     scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).reshape(bsz, hkv, grp * ql, -1)
+    # a query that may attend to nothing (a padding position of a chunk) gets zeros, not NaN: NaN would reach
+    # the stored keys and values of the next layer and, through 0 * NaN, every query of that sequence
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).reshape(bsz, hkv, grp * ql, -1)
     out = probs @ v.float()
     return out.reshape(bsz, hq, ql, d)
 

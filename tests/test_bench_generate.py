@@ -63,6 +63,7 @@ def test_rows_for_every_cache_and_case(quick_run):
     # max batch: the CPU has no budget, so the search stops at the cap
     mb = [r for r in rows if r["case"] == "maxbatch" and r["status"] == "ok"]
     assert mb and all(r["batch"] == 4 and r["capped"] and r["search"] for r in mb)
+    assert all(r["prefill_chunk"] == 16 for r in mb)  # chunked prefill: 64 tokens per forward over 4 sequences
     # settings, environment, table
     meta = data["meta"]
     for key in ("torch", "transformers", "triton", "device", "quanto"):
@@ -136,12 +137,14 @@ def test_max_batch_search_against_a_memory_model(monkeypatch, tmp_path):
     true_max = (budget - weights) // per_seq
     calls = []
 
-    def fake_run(ctx, cache, b, p, new, keep_cache=False):
+    def fake_run(ctx, cache, b, p, new, keep_cache=False, chunked=False):
+        assert chunked  # max-batch runs prefill in chunks
         calls.append((b, new))
         peak = weights + b * per_seq
         if peak > budget:
             raise torch.OutOfMemoryError("CUDA out of memory (fake)")
-        res = dict(t=0.5 + 0.02 * b + 0.03 * new, peak=peak, ttft=0.5 + 0.02 * b, step_timer=0.03, generated=new)
+        res = dict(t=0.5 + 0.02 * b + 0.03 * new, peak=peak, ttft=0.5 + 0.02 * b, step_timer=0.03, generated=new,
+                   prefill_chunk=None)
         if keep_cache:
             res["cache_stats"] = dict(kv_bytes_per_token=1.0)
         return res
