@@ -722,8 +722,11 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
             raise RuntimeError(err["error"])
         return res
 
-    # probes: a linear model of peak memory and time in the batch size
-    b1, b2 = 1, min(args.max_batch_cap, 8)
+    # probes: a linear model of peak memory and time in the batch size. Both probes run a full
+    # --prefill-tokens forward (a chunked prefill keeps it there for larger batches), so the slope is the
+    # memory per sequence (KV cache) and not the prefill activations of a growing forward
+    b1 = max(1, min(args.max_batch_cap // 2, (args.prefill_tokens or 8 * p) // p))
+    b2 = min(args.max_batch_cap, 2 * b1)
     try:
         r1 = trial(b1, args.trial_new)
         if r1 is None:

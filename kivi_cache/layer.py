@@ -86,9 +86,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _device_state(self):
         if self._dev is None:
             width = max(1, max((len(t) for t in self.tables), default=1))
-            bt = torch.full((self.batch_size, width), -1, dtype=torch.int32)
-            for i, t in enumerate(self.tables):
-                bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            bt = torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.int32)
             self._dev = (
                 bt.to(self.device),
                 torch.tensor(self.q_lens, dtype=torch.int32).to(self.device),
@@ -147,8 +145,21 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if full:
             self._flush_residual(full)
 
+    def _uniform(self) -> bool:
+        """Every sequence has the same window and sink lengths (no padding so far): bulk tensor ops apply."""
+        return min(self.r_lens) == max(self.r_lens) and min(self.sinks) == max(self.sinks)
+
     def _flush_residual(self, seqs) -> None:
         cfg = self.cfg
+        if len(seqs) == self.batch_size and self._uniform():
+            s, r = self.sinks[0], self.r_lens[0]
+            c = (r - s - cfg.residual_length) // cfg.group_size * cfg.group_size
+            self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c])  # copies before the shift
+            self.res_k[:, :, s:r - c] = self.res_k[:, :, s + c:r].clone()
+            self.res_v[:, :, s:r - c] = self.res_v[:, :, s + c:r].clone()
+            self.r_lens = [r - c] * self.batch_size
+            self._dev = None
+            return
         items = []
         for i in seqs:
             s = self.sinks[i]
@@ -165,6 +176,26 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _append_chunk(self, k, v, valid) -> None:
         cfg = self.cfg
         n_new = k.shape[2]
+        if valid is None and self._uniform():  # the whole batch at once (a prompt or chunk without padding)
+            r = self.r_lens[0]
+            total = r + n_new
+            s = min(cfg.sink_length, total)
+            c = max(0, (total - s - cfg.residual_length) // cfg.group_size * cfg.group_size)
+            if c == 0:
+                self.res_k[:, :, r:total] = k
+                self.res_v[:, :, r:total] = v
+            else:
+                nk = torch.cat([self.res_k[:, :, :r], k], dim=2) if r else k
+                nv = torch.cat([self.res_v[:, :, :r], v], dim=2) if r else v
+                self._write_batch(nk[:, :, s:s + c], nv[:, :, s:s + c])
+                self.res_k[:, :, :s] = nk[:, :, :s]
+                self.res_v[:, :, :s] = nv[:, :, :s]
+                self.res_k[:, :, s:total - c] = nk[:, :, s + c:]
+                self.res_v[:, :, s:total - c] = nv[:, :, s + c:]
+            self.sinks = [s] * self.batch_size
+            self.r_lens = [total - c] * self.batch_size
+            self._dev = None
+            return
         items = []
         for i in range(self.batch_size):
             if valid is None:
@@ -195,36 +226,55 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self._write_groups(items)
         self._dev = None
 
+    def _reserve(self, i: int, c: int, pages: list, slots: list) -> None:
+        """Page and slot of each of sequence ``i``'s next ``c // G`` groups (pages allocated as needed)."""
+        g, p, pool = self.cfg.group_size, self.cfg.page_size, self.pool
+        table = self.tables[i]
+        for t in range(self.q_lens[i], self.q_lens[i] + c, g):
+            j, slot = divmod(t, p)
+            if j == len(table):
+                table.append(pool.allocate())
+            elif t == self.q_lens[i]:  # first write into a partly filled page
+                table[j] = pool.copy_on_write(table[j])
+            pages.append(table[j])
+            slots.append(slot)
+        self.q_lens[i] += c
+
+    def _quantize(self, k_groups, v_groups, pages: list, slots: list) -> None:
+        cfg = self.cfg
+        ops.quantize_and_write(
+            k_groups.contiguous(), v_groups.contiguous(),
+            torch.tensor(pages, dtype=torch.int32).to(self.device),
+            torch.tensor(slots, dtype=torch.int32).to(self.device),
+            *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
+        self._dev = None
+
     def _write_groups(self, items) -> None:
         """Quantize and write ``(seq, keys [H, c, D], values [H, c, D])`` items (c multiple of G), one launch."""
         if not items:
             return
-        cfg, pool = self.cfg, self.pool
-        g, p = cfg.group_size, cfg.page_size
+        g = self.cfg.group_size
         pages, slots, ks, vs = [], [], [], []
         for i, kc, vc in items:
             c = kc.shape[1]
-            table = self.tables[i]
-            for t in range(self.q_lens[i], self.q_lens[i] + c, g):
-                j, slot = divmod(t, p)
-                if j == len(table):
-                    table.append(pool.allocate())
-                elif t == self.q_lens[i]:  # first write into a partly filled page
-                    table[j] = pool.copy_on_write(table[j])
-                pages.append(table[j])
-                slots.append(slot)
-            self.q_lens[i] += c
+            self._reserve(i, c, pages, slots)
             h, _, d = kc.shape
             ks.append(kc.reshape(h, c // g, g, d).transpose(0, 1))
             vs.append(vc.reshape(h, c // g, g, d).transpose(0, 1))
-        k_groups = torch.cat(ks).contiguous()
-        v_groups = torch.cat(vs).contiguous()
-        ops.quantize_and_write(
-            k_groups, v_groups,
-            torch.tensor(pages, dtype=torch.int32).to(self.device),
-            torch.tensor(slots, dtype=torch.int32).to(self.device),
-            *pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=g)
-        self._dev = None
+        self._quantize(torch.cat(ks), torch.cat(vs), pages, slots)
+
+    def _write_batch(self, kc, vc) -> None:
+        """Every sequence's next ``c`` tokens (keys/values ``[B, H, c, D]``, c multiple of G), one launch."""
+        b, h, c, d = kc.shape
+        g = self.cfg.group_size
+        pages, slots = [], []
+        for i in range(b):
+            self._reserve(i, c, pages, slots)
+
+        def groups(x):  # [B, H, c, D] -> [B * c/G, H, G, D], sequence-major like pages/slots
+            return x.reshape(b, h, c // g, g, d).transpose(1, 2).reshape(b * (c // g), h, g, d)
+
+        self._quantize(groups(kc), groups(vc), pages, slots)
 
     # -------------------------------------------------------------- attention
     def attend(self, step: PendingStep, query: torch.Tensor, attention_mask, scaling: float, sdpa_fn, module,

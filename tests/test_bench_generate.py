@@ -156,7 +156,8 @@ def test_max_batch_search_against_a_memory_model(monkeypatch, tmp_path):
     row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget)
     assert row["status"] == "ok", row
     assert true_max * (1 - args.batch_tol) - 1 <= row["batch"] <= true_max < row["batch_oom"]
-    big = [b for b, n in calls if b > 8 and n == 16]
+    assert calls[:2] == [(64, 16), (128, 16)]  # probes: a full 65536-token prefill forward each
+    big = [b for b, n in calls if b > 128 and n == 16]
     assert len(big) <= 4, calls
     assert calls[-1] == (row["batch"], 64)  # the measurement at the batch found
     assert abs(row["decode_step_ms"] - 30.0) < 1e-6 and row["decode_tok_s"] > 0
@@ -164,8 +165,8 @@ def test_max_batch_search_against_a_memory_model(monkeypatch, tmp_path):
     calls.clear()
     runner.model_deadline = time.perf_counter() + 2.0
     row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget)
-    assert row["search_stopped_early"] and row["batch"] == 8
-    assert all(b <= 8 for b, _ in calls)
+    assert row["search_stopped_early"] and row["batch"] == 128
+    assert all(b <= 128 for b, _ in calls)
 
 
 def test_static_caches_run(tmp_path):
