@@ -796,19 +796,27 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
     res, err = attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True, chunked=True))
     if err:
         return dict(row, **err, status="error")
-    n, m = args.batch_new, args.trial_new
-    step = (res["t"] - tr["t"]) / (n - m) if n > m else None
-    timer = res.get("step_timer")
-    row.update(t_N_s=[res["t"]], t_trial_s=tr["t"], decode_step_ms=None if step is None else step * 1e3,
-               decode_tok_s=None if not step or step <= 0 else lo / step, e2e_tok_s=lo * n / res["t"],
-               step_ms_timer=None if timer is None else timer * 1e3,
-               decode_tok_s_timer=None if not timer else lo / timer, ttft_s=res.get("ttft"),
-               prefill_s=None if step is None else max(0.0, tr["t"] - (m - 1) * step), peak_bytes=res["peak"],
-               prefill_chunk=res["prefill_chunk"],
-               **res.get("cache_stats", {}))
+    row.update(t_N_s=[res["t"]], t_trial_s=tr["t"], step_timer_s=res.get("step_timer"), ttft_s=res.get("ttft"),
+               peak_bytes=res["peak"], prefill_chunk=res["prefill_chunk"], **res.get("cache_stats", {}))
+    maxbatch_rates(row, args.batch_new, args.trial_new)
     if dev.cuda and budget and res["peak"] and res["peak"] > budget:
         row["note"] = "peak above the budget: the memory fraction was not enforced"
     row["status"] = "ok"
+    return row
+
+
+def maxbatch_rates(row: dict, n: int, m: int) -> dict:
+    """Decode rates of a max-batch row. The decode step is the per-step timer's median: at these batches a
+    generate is mostly a chunked prefill of a million tokens whose time varies by seconds between runs, so
+    the difference of two generates ((t_N - t_trial) / (N - trial), kept as ``decode_step_ms_tN``) is noise
+    and can come out negative."""
+    b, tn, tt, timer = row["batch"], row["t_N_s"][0], row["t_trial_s"], row.get("step_timer_s")
+    step_tn = (tn - tt) / (n - m) if n > m else None
+    row.update(decode_step_ms_tN=None if step_tn is None else step_tn * 1e3,
+               decode_step_ms=None if not timer else timer * 1e3, step_ms_timer=None if not timer else timer * 1e3,
+               decode_tok_s=None if not timer else b / timer, e2e_tok_s=b * n / tn,
+               prefill_s=None if not timer or row.get("ttft_s") is None else row["ttft_s"],
+               step_method="per-step timer (median)")
     return row
 
 
@@ -951,8 +959,14 @@ def plots(result: dict, out_path: str) -> list[str]:
         for cache in result["settings"]["caches"]:
             prompts = sorted({r["prompt"] for r in rows if r["case"] == "maxbatch"} | {result["settings"]["prompt"]})
             for p, style in zip(prompts, itertools.cycle(("-o", "--s", ":^", "-.v")), strict=False):
-                pts = sorted((r["batch"], r["decode_tok_s"]) for r in rows if r["model"] == m and r["cache"] == cache
-                             and r["prompt"] == p and r["case"] in ("short", "maxbatch") and r.get("decode_tok_s"))
+                pts = {(r["batch"], r["decode_tok_s"]) for r in rows if r["model"] == m and r["cache"] == cache
+                       and r["prompt"] == p and r["case"] in ("short", "maxbatch") and r.get("decode_tok_s")}
+                for r in result["rows"]:  # max-batch searches' fitting trials (also of rows whose final
+                    # measurement was skipped): more batch sizes, per-step timer over the trial's tokens
+                    if r["model"] == m and r["cache"] == cache and r["prompt"] == p and r["case"] == "maxbatch":
+                        pts |= {(t["batch"], t["batch"] / t["step_timer"]) for t in r.get("search", [])
+                                if t.get("ok") and t.get("step_timer")}
+                pts = sorted(pts)
                 if pts:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], style, color=colors.get(cache),
                             label=f"{cache}, prompt {p}")
