@@ -302,9 +302,9 @@ def kv_theory(cache_name: str, shapes: dict, args) -> float:
     if cache_name == "fp16":
         return float(shapes["kv_bytes_per_token_fp"])
     bits = 4 if cache_name.endswith("int4") else 2
-    if cache_name.startswith("kivi"):
-        g = 32  # Int4/Int2PagedCache: scale + zero per 32 tokens (keys) / 32 channels (values)
-        return elems * (bits / 8 + 2 * elt / g)
+    if cache_name.startswith("kivi"):  # the preset's bits and group: a scale and a zero point per group
+        c = KIVI_CLASSES[cache_name]().quant_config
+        return elems / 2 * ((c.key_bits + c.value_bits) / 8 + 4 * elt / c.group_size)
     return elems * (bits / 8 + 2 * elt / args.quanto_group)  # quanto: scale + shift per group
 
 

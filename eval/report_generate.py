@@ -4,7 +4,8 @@
 
 Rows are keyed by (model, case, cache, prompt); a later file's row replaces an earlier one. Max-batch rows
 recorded before the per-step timer became their decode step get their rates recomputed from the values
-recorded in them (``maxbatch_rates``): nothing is re-measured.
+recorded in them (``maxbatch_rates``) and the theoretical KV bytes per token are recomputed (arithmetic):
+nothing is re-measured.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +40,11 @@ def merge(paths: list[str]) -> dict:
                 r["step_timer_s"] = r["step_ms_timer"] / 1e3 if r.get("step_ms_timer") else None
                 r.pop("decode_tok_s_timer", None)
                 bg.maxbatch_rates(r, r["new"], r.get("trial_new", 16))
+            shapes = data.get("models", {}).get(r["model"])
+            if shapes and r.get("kv_bytes_per_token_theory") is not None:  # arithmetic, recomputed (a fixed
+                # label: runs before session 3 priced Int2PagedCache as 2/2 bits g32 instead of its 4/2 bits g64)
+                r["kv_bytes_per_token_theory"] = bg.kv_theory(r["cache"], shapes, types.SimpleNamespace(
+                    quanto_group=data["settings"].get("quanto_group", 64)))
             rows[(r["model"], r["case"], r["cache"], r["prompt"])] = r
     result["rows"] = list(rows.values())
     return result

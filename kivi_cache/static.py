@@ -1,4 +1,4 @@
-"""A compileable variant of the cache: fixed shapes and device-side state during decode (experimental).
+"""A compileable variant of the cache: fixed shapes and device-side state during decode.
 
 ``StaticQuantizedPagedCache(model, max_cache_len)`` stores the prompt like
 :class:`~kivi_cache.QuantizedPagedCache` (eagerly), then switches every layer to a static
@@ -19,7 +19,9 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
 Same stored values and attention as ``QuantizedPagedCache`` with the same settings (tested
 token for token). Not supported in static mode: beam search, cropping, several tokens per
 sequence after the prompt (assisted decoding), growing past ``max_cache_len``.
-Status: verified on CPU (eager, ``torch.compile``); the GPU compile path is not measured yet.
+Measured on an H200 (Llama-3-8B shape, batch 1, ``generate`` compiling the step with inductor and CUDA
+graphs): 8.8 ms a decode step at 1k context and 9.7 ms at 32k, against 7.8 / 18.4 ms for transformers'
+compiled ``StaticCache`` and ~40-48 ms for eager caches (``eval/results/bench_generate_static*.json``).
 """
 
 from __future__ import annotations
