@@ -80,6 +80,7 @@ kernels (``kivi`` tag), with no sdpa/flash kernels (``attention-like`` tag).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -105,7 +106,7 @@ import transformers  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 import kivi_cache  # noqa: E402
-from kivi_cache import Int2PagedCache, Int4PagedCache, cache_kwargs  # noqa: E402
+from kivi_cache import Int2PagedCache, Int4PagedCache, QuantizedPagedCache, cache_kwargs  # noqa: E402
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -123,8 +124,13 @@ CACHES = ("fp16", "kivi-int4", "kivi-int2", "quanto-int4", "quanto-int2")
 # compiled decoding (issue 4 part 3), opt-in with --caches: generate compiles the decode step of a
 # compileable cache on its own (CUDA graphs with the default compile config)
 STATIC_CACHES = ("fp16-static", "kivi-int4-static")
+# opt-in: KIVI-2 proper, 2-bit keys and values (g32, 4 sinks; 0.375 B/element): the memory class of the
+# issue's "int2" (Int2PagedCache keeps 4-bit keys for retrieval quality, 0.4375 B/element)
+EXTRA_CACHES = ("kivi-kv2",)
 CASES = ("short", "long", "ctx", "maxbatch")
-KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache}
+KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
+                "kivi-kv2": functools.partial(QuantizedPagedCache, key_bits=2, value_bits=2, group_size=32,
+                                              residual_length=128, sink_length=4)}
 # kernel names that would mean decode attention ran outside kivi_cache's kernels
 ATTENTION_LIKE = ("flash", "fmha", "sdpa", "scaled_dot_product", "attention", "attn", "efficient")
 
@@ -952,7 +958,7 @@ def plots(result: dict, out_path: str) -> list[str]:
         return []
     stem = os.path.splitext(out_path)[0]
     files = []
-    colors = {c: f"C{i}" for i, c in enumerate(CACHES + STATIC_CACHES)}
+    colors = {c: f"C{i}" for i, c in enumerate(CACHES + STATIC_CACHES + EXTRA_CACHES)}
     # throughput vs batch size
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
     for ax, m in zip(axes[0], models, strict=True):
@@ -1036,7 +1042,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, few tokens (CPU-capable smoke run)")
     ap.add_argument("--models", default=None, help=f"comma list of {list(MODELS)} (default llama2-7b,llama3-8b)")
     ap.add_argument("--caches", default=None,
-                    help=f"comma list of {list(CACHES + STATIC_CACHES)} (default: {list(CACHES)})")
+                    help=f"comma list of {list(CACHES + STATIC_CACHES + EXTRA_CACHES)} (default: {list(CACHES)})")
     ap.add_argument("--cases", default=None, help=f"comma list of {list(CASES)} (default all)")
     ap.add_argument("--prompt", type=int, default=None, help="short case prompt (1024)")
     ap.add_argument("--new", type=int, default=None, help="short case new tokens (256)")
@@ -1086,7 +1092,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.models = names(args.models, MODELS)
-    args.caches = names(args.caches, CACHES + STATIC_CACHES)
+    args.caches = names(args.caches, CACHES + STATIC_CACHES + EXTRA_CACHES)
     args.cases = names(args.cases, CASES)
     args.ctx_prompts = ints(args.ctx_prompts)
     args.batch_prompts = ints(args.batch_prompts)
