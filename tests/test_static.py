@@ -86,3 +86,20 @@ def test_binding_does_not_capture_other_caches():
     _generate(model, ids, static, n=8)
     after = [_generate(model, ids, DynamicCache(), n=8), _generate(model, ids, QuantizedPagedCache(**q8), n=8)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_static_with_left_padding_matches_dynamic():
+    """Ragged prompts (left padding): per-sequence lengths live on the device in static mode."""
+    model = tiny_qwen2()
+    ids = torch.randint(1, 100, (3, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    mask[2, :23] = 0
+    ids[mask == 0] = 0
+
+    def gen(cache):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=40,
+                                  min_new_tokens=40, do_sample=False, pad_token_id=0)
+
+    assert torch.equal(gen(StaticQuantizedPagedCache(model, 96, **CFG)), gen(QuantizedPagedCache(**CFG)))
