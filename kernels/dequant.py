@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting
-from .unpack import swap12
 
 
 @triton.jit
@@ -34,7 +33,7 @@ def _key_tile(kc_base, ks_base, kz_base, off, valid_groups, s_kct, s_ksg,
     g3 = tl.arange(0, NG)[:, None, None]
     t3 = tl.arange(0, G)[None, :, None]
     d3 = tl.arange(0, D)[None, None, :]
-    raw = tl.load(kc_base + (off + g3 * G + t3) * s_kct + swap12(d3 % DN)).to(tl.int32)
+    raw = tl.load(kc_base + (off + g3 * G + t3) * s_kct + (d3 % DN)).to(tl.int32)
     if N == 1:
         c = raw
     else:
@@ -61,7 +60,7 @@ def _value_tile(vc_base, vs_base, vz_base, off, valid_tok, s_vct, s_vst,
     g3 = tl.arange(0, NGV)[None, :, None]
     j3 = tl.arange(0, G)[None, None, :]
     dd = g3 * G + j3
-    raw = tl.load(vc_base + (off + t3) * s_vct + swap12(dd % DN)).to(tl.int32)
+    raw = tl.load(vc_base + (off + t3) * s_vct + (dd % DN)).to(tl.int32)
     if N == 1:
         c = raw
     else:

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from ._util import check_bits, check_group, check_head_dim
-from .unpack import swap12
 
 
 @triton.jit
@@ -26,8 +25,8 @@ def _pack_store(codes, dst, t2, G: tl.constexpr, D: tl.constexpr, BITS: tl.const
     DN: tl.constexpr = D // N
     c3 = tl.reshape(codes, [G, N, DN])
     sh = (tl.arange(0, N) * BITS)[None, :, None]
-    packed = tl.sum(c3 << sh, axis=1)  # [G, DN], natural planar byte order
-    tl.store(dst + t2 + swap12(tl.arange(0, DN))[None, :], packed.to(tl.uint8))  # stored order (an involution)
+    packed = tl.sum(c3 << sh, axis=1)  # [G, DN]
+    tl.store(dst + t2 + tl.arange(0, DN)[None, :], packed.to(tl.uint8))
 
 
 @triton.jit

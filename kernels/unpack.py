@@ -1,23 +1,21 @@
 """Codes -> dequantized fp16/bf16 values inside the attention kernel (registers only).
 
 The decode kernel loads packed codes as int32 words (4 bytes of one token's row).
-Planar packing (:mod:`kivi_cache.quant`): byte ``j`` of a row holds channel ``m + k * row_bytes`` of
-plane ``k`` in bits ``[k * bits, (k + 1) * bits)``, ``k < 8 // bits``, with ``m = swap12(j)`` (positions
-1 and 2 of every 4 bytes swapped). So word ``w`` holds channels ``4w .. 4w + 3`` of every plane, in
-bytes 0, 2, 1, 3: bytes ``p`` and ``p + 2`` (16 bits apart, like the two halves of a 32-bit pair) hold
-the adjacent channels ``4w + 2p`` and ``4w + 2p + 1``.
+Planar packing: byte ``j`` of a row holds channel ``j + k * row_bytes`` of plane
+``k`` in bits ``[k * bits, (k + 1) * bits)``, ``k < 8 // bits``. So word ``w`` holds
+channels ``4w .. 4w + 3`` of every plane.
 
 ``pairs_*`` turn a word tile ``[N, W]`` into, per plane ``k`` and byte pair
-``p`` (bytes ``p, p + 2``), an int32 tile whose two 16-bit halves are the
+``p`` (bytes ``2p, 2p + 1``), an int32 tile whose two 16-bit halves are the
 dequantized fp16/bf16 values of channels ``4w + 2p`` and ``4w + 2p + 1``;
 :func:`plane` reassembles a plane as ``[N, 4W]`` in natural channel order (a
 register relabelling: join, permute, reshape).
 
-* ``pairs_asm`` (GPU, 2/4-bit codes): one PTX block per word. Bytes ``p`` and
-  ``p + 2`` sit 16 bits apart like the two halves of a pair, so per plane one shift
-  and one ``lop3`` put both codes in the top mantissa bits of 1.0 (``v = 1 + c / 2**bits``,
+* ``pairs_asm`` (GPU, 2/4-bit codes): one PTX block per word. ``prmt`` spreads
+  bytes ``2p, 2p+1`` into the low bytes of the two halves; per plane a shift and
+  one ``lop3`` put the code in the top mantissa bits of 1.0 (``v = 1 + c / 2**bits``,
   exact) and one packed ``fma`` gives ``v * (2**bits s) + (z - 2**bits s) = c s + z``:
-  1.5 instructions per code (fewer where a shift is 0), no integer-to-float conversions. The extra rounding
+  1.75 instructions per code, no integer-to-float conversions. The extra rounding
   of ``z - 2**bits s`` is at most 2**-11 (fp16) of ``|z| + 2**bits s``.
 * ``pairs_emulated``: the same pairs from the same folded scales in plain Triton
   (fp32 math, then rounded): runs in the interpreter (CPU tests of everything but
@@ -35,9 +33,7 @@ import triton.language as tl
 
 def _asm(bits: int, bf16: bool) -> str:
     """PTX for one word. Operands: outputs $(2k+p) for plane k, pair p; input word $n2 (n2 = 2 * planes);
-    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p). Pair p holds bytes p and p + 2
-    (16 bits apart, like the two halves), so one shift moves both codes of a pair to the top mantissa
-    bits at once: no byte permutes."""
+    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p)."""
     n = 8 // bits
     n2 = 2 * n
     top = 7 if bf16 else 10  # mantissa bits
@@ -45,18 +41,20 @@ def _asm(bits: int, bf16: bool) -> str:
     field = ((1 << bits) - 1) << (top - bits)
     mask = f"0x{field | field << 16:08X}"
     fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
-    lines = ["{", ".reg .b32 u;"]
+    lines = ["{", ".reg .b32 t0, t1, u;",
+             f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1
+             f"prmt.b32 t1, ${n2}, ${n2}, 0x3322;"]  # bytes 2, 3
     for k in range(n):
+        sh = top - bits - k * bits
         for p in range(2):
-            sh = (top - bits) - (8 * p + k * bits)  # code bits of byte p, plane k -> top mantissa bits
-            src = f"${n2}"
+            t = f"t{p}"
             if sh > 0:
-                lines.append(f"shl.b32 u, {src}, {sh};")
-                src = "u"
+                lines.append(f"shl.b32 u, {t}, {sh};")
             elif sh < 0:
-                lines.append(f"shr.u32 u, {src}, {-sh};")
-                src = "u"
-            lines.append(f"lop3.b32 u, {src}, {mask}, {magic}, 0xEA;")  # (u & mask) | magic
+                lines.append(f"shr.u32 u, {t}, {-sh};")
+            else:
+                lines.append(f"mov.b32 u, {t};")
+            lines.append(f"lop3.b32 u, u, {mask}, {magic}, 0xEA;")  # (u & mask) | magic
             lines.append(f"{fma} ${2 * k + p}, u, ${n2 + 1 + 4 * k + 2 * p}, ${n2 + 2 + 4 * k + 2 * p};")
     lines.append("}")
     return "\n".join(lines)
@@ -86,13 +84,6 @@ FOLD4_BF16 = tl.constexpr(_fold_asm(4, True))
 FOLD2_F16 = tl.constexpr(_fold_asm(2, False))
 FOLD2_BF16 = tl.constexpr(_fold_asm(2, True))
 CON2 = tl.constexpr(_constraints(2))
-
-
-@triton.jit
-def swap12(j):
-    """Byte position j of a packed row -> the byte of the natural planar order it holds (positions 1 and 2
-    of every 4 swapped; an involution). See :func:`kivi_cache.quant.pack`."""
-    return (j & -4) | ((j & 1) << 1) | ((j >> 1) & 1)
 
 
 @triton.jit
@@ -169,8 +160,8 @@ def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.cons
     """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = v * sf + zf."""
     s_lo, s_hi = unpack_half(sp, DT)
     z_lo, z_hi = unpack_half(zp, DT)
-    c_lo = (words >> (8 * p + k * BITS)) & ((1 << BITS) - 1)  # byte p
-    c_hi = (words >> (8 * p + 16 + k * BITS)) & ((1 << BITS) - 1)  # byte p + 2
+    c_lo = (words >> (16 * p + k * BITS)) & ((1 << BITS) - 1)
+    c_hi = (words >> (16 * p + 8 + k * BITS)) & ((1 << BITS) - 1)
     inv = 1.0 / (1 << BITS)
     v_lo = (1.0 + c_lo.to(tl.float32) * inv) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
     v_hi = (1.0 + c_hi.to(tl.float32) * inv) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
@@ -187,6 +178,6 @@ def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, D
 def plane_plain(words, k: tl.constexpr, s, z, BITS: tl.constexpr, DT: tl.constexpr):
     """fp32 path: plane k of words [N, W] as [N, 4W] DT, from unfolded s, z [*, W, 4] (channel 4w + b)."""
     b = tl.arange(0, 4)[None, None, :]
-    c = (words[:, :, None] >> (8 * swap12(b) + k * BITS)) & ((1 << BITS) - 1)  # channel 4w + b is in byte swap12(b)
+    c = (words[:, :, None] >> (8 * b + k * BITS)) & ((1 << BITS) - 1)
     v = (c.to(tl.float32) * s.to(tl.float32) + z.to(tl.float32)).to(DT)
     return tl.reshape(v, [words.shape[0], 4 * words.shape[1]])

@@ -24,14 +24,10 @@ group has scale 0, codes 0, and dequantizes exactly to its value.
 
 Packed layout (shared with the kernels): codes are packed along the last
 (channel) axis, *planar*: with ``n = 8 // bits`` codes per byte and ``D``
-channels, byte ``j`` of a row holds channel ``m + k * D // n`` in bits
-``[k * bits, (k + 1) * bits)`` for ``k = 0 .. n - 1``, where ``m = swap12(j)``:
-within every 4 bytes the order is 0, 2, 1, 3 (a tail of fewer than 4 bytes keeps
-its order). A packed row is ``D * bits // 8`` bytes. Unpacking chunk ``k`` of every
-byte (and undoing the swap) yields the contiguous channel block
-``[k * D // n, (k + 1) * D // n)``. The swap puts adjacent channels 16 bits apart
-in a 32-bit word, like the two halves of an fp16 pair: the decode kernel turns
-them into a pair with one shift and one ``lop3``, without byte permutes.
+channels, byte ``j`` of a row holds channel ``j + k * D // n`` in bits
+``[k * bits, (k + 1) * bits)`` for ``k = 0 .. n - 1``. A packed row is
+``D * bits // 8`` bytes. Unpacking chunk ``k`` of every byte yields the
+contiguous channel block ``[k * D // n, (k + 1) * D // n)``.
 """
 
 from __future__ import annotations
@@ -43,29 +39,20 @@ def qmax(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def swap12(n_bytes: int, device=None) -> torch.Tensor:
-    """Byte order of a packed row: position j holds natural byte ``swap12(j)`` (1 and 2 of every 4 swapped;
-    an involution, so the same index both packs and unpacks)."""
-    j = torch.arange(n_bytes, device=device)
-    full = n_bytes // 4 * 4
-    return torch.where(j < full, (j & -4) | ((j & 1) << 1) | ((j >> 1) & 1), j)
-
-
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes ``[..., D]`` into ``[..., D * bits // 8]`` (planar layout, bytes in swap12 order)."""
+    """Pack uint8 codes ``[..., D]`` into ``[..., D * bits // 8]`` (planar layout)."""
     n = 8 // bits
-    d = codes.shape[-1]
     if n == 1:
-        return codes.to(torch.uint8)[..., swap12(d, codes.device)]
+        return codes.to(torch.uint8)
+    d = codes.shape[-1]
     chunks = codes.to(torch.int32).reshape(*codes.shape[:-1], n, d // n)
     shifts = torch.arange(n, device=codes.device, dtype=torch.int32) * bits
-    return (chunks << shifts[:, None]).sum(-2).to(torch.uint8)[..., swap12(d // n, codes.device)]
+    return (chunks << shifts[:, None]).sum(-2).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[..., D * bits // 8]`` -> uint8 ``[..., D]``."""
     n = 8 // bits
-    packed = packed[..., swap12(packed.shape[-1], packed.device)]
     if n == 1:
         return packed
     p = packed.to(torch.int32)

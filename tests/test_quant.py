@@ -13,12 +13,10 @@ def test_pack_unpack_roundtrip_and_documented_layout(bits):
     assert packed.shape == (3, 7, d * bits // 8) and packed.dtype == torch.uint8
     assert torch.equal(quant.unpack(packed, bits), codes)
     n = 8 // bits
-    # byte j holds channel m + k * D / n in bits [k*bits, (k+1)*bits), m = j with positions 1 and 2 of every
-    # 4 bytes swapped (written out here, not taken from the library)
-    m = torch.tensor([4 * (j // 4) + [0, 2, 1, 3][j % 4] for j in range(d // n)])
+    # byte j holds channel j + k * D / n in bits [k*bits, (k+1)*bits)
     for k in range(n):
         chunk = (packed.to(torch.int32) >> (k * bits)) & ((1 << bits) - 1)
-        assert torch.equal(chunk.to(torch.uint8), codes[..., k * d // n + m])
+        assert torch.equal(chunk.to(torch.uint8), codes[..., k * d // n:(k + 1) * d // n])
 
 
 def _step_bound(x, deq, scale, expand):
