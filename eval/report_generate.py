@@ -28,7 +28,8 @@ def merge(paths: list[str]) -> dict:
             data = json.load(f)
         if result is None:
             result = dict(data, sources=[], rows=[])
-        result["sources"].append(dict(file=os.path.basename(path), meta=data.get("meta"), argv=data.get("meta", {}).get("argv")))
+        result["sources"].append(dict(file=os.path.basename(path), meta=data.get("meta"),
+                                      argv=data.get("meta", {}).get("argv")))
         result["models"].update(data.get("models", {}))
         for k in ("caches", "models"):
             have = result["settings"][k]

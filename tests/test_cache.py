@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from models import SMALL, decisive_prompt, tiny_llama, tiny_qwen2
 from transformers import DynamicCache
 
 import kivi_cache
 from kivi_cache import QuantizedPagedCache, cache_kwargs, quant
-from models import SMALL, decisive_prompt, tiny_llama, tiny_qwen2
 
 GEN = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
 
@@ -323,6 +323,7 @@ def test_attention_sinks_stay_in_full_precision(prefill):
     s, q, r = layer.sinks[0], layer.q_lens[0], layer.r_lens[0]
     assert s == 4 and q % 16 == 0 and 16 <= r - s < 32 and s + q + (r - s) == 90
     assert torch.equal(layer.res_k[0, :, :4], k_ref[0, :, :4])  # sinks: exact
+    assert torch.equal(layer.res_v[0, :, :4], v_ref[0, :, :4])
     k, _ = layer._stored_layout(layer.seen)
     g = SMALL["group_size"]
     fake = quant.dequantize_keys(*quant.quantize_keys(k_ref[:, :, 4:4 + q], 2, g), g)
@@ -376,7 +377,7 @@ def test_each_layer_keeps_its_pages_on_its_own_device():
         cache.update(k, k, layer_idx)
         layer = cache.layers[layer_idx]
         layer.commit(layer.pending)  # store: quantize and write 48 tokens per sequence into pages
-    for layer, device in zip(cache.layers, ("cpu", "meta", "cpu")):
+    for layer, device in zip(cache.layers, ("cpu", "meta", "cpu"), strict=True):
         assert layer.q_lens == [48, 48]
         assert all(t.device.type == device for t in layer.pool.tensors.values())
         assert layer.res_k.device.type == device

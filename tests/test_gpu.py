@@ -2,13 +2,11 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
+from models import SMALL, decisive_prompt
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kivi_cache
 from kivi_cache import QuantizedPagedCache, cache_kwargs
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from models import SMALL, decisive_prompt
 
 
 def tiny_llama_d64(seed=0):

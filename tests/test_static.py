@@ -3,10 +3,10 @@ same logits, clear errors for what static mode does not do."""
 
 import pytest
 import torch
+from models import tiny_llama, tiny_qwen2
 from transformers import DynamicCache
 
 from kivi_cache import QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs
-from models import tiny_llama, tiny_qwen2
 
 CFG = dict(key_bits=4, value_bits=2, group_size=16, residual_length=16, page_size=32, sink_length=2)
 
@@ -85,7 +85,7 @@ def test_binding_does_not_capture_other_caches():
     static = StaticQuantizedPagedCache(model, 96, **CFG)
     _generate(model, ids, static, n=8)
     after = [_generate(model, ids, DynamicCache(), n=8), _generate(model, ids, QuantizedPagedCache(**q8), n=8)]
-    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
 
 
 def test_static_with_left_padding_matches_dynamic():
