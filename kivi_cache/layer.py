@@ -149,51 +149,66 @@ class QuantizedPagedLayer(CacheLayerMixin):
         """Every sequence has the same window and sink lengths (no padding so far): bulk tensor ops apply."""
         return min(self.r_lens) == max(self.r_lens) and min(self.sinks) == max(self.sinks)
 
-    def _flush_residual(self, seqs) -> None:
+    def _flush_count(self, total: int, sinks: int) -> int:
+        """Tokens to quantize out of a window of ``total`` tokens (sinks included): whole groups beyond R."""
         cfg = self.cfg
-        if len(seqs) == self.batch_size and self._uniform():
+        return max(0, (total - sinks - cfg.residual_length) // cfg.group_size * cfg.group_size)
+
+    def _flush_residual(self, seqs) -> None:
+        if len(seqs) == self.batch_size and self._uniform():  # every window at once
             s, r = self.sinks[0], self.r_lens[0]
-            c = (r - s - cfg.residual_length) // cfg.group_size * cfg.group_size
+            c = self._flush_count(r, s)
             self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c])  # copies before the shift
-            self.res_k[:, :, s:r - c] = self.res_k[:, :, s + c:r].clone()
-            self.res_v[:, :, s:r - c] = self.res_v[:, :, s + c:r].clone()
+            self._window_drop(slice(None), s, r, c)
             self.r_lens = [r - c] * self.batch_size
-            self._dev = None
-            return
-        items = []
-        for i in seqs:
-            s = self.sinks[i]
-            c = (self.r_lens[i] - s - cfg.residual_length) // cfg.group_size * cfg.group_size
-            items.append((i, self.res_k[i, :, s:s + c], self.res_v[i, :, s:s + c]))
-        self._write_groups(items)  # copies the groups out before the shift below
-        for i, kc, _ in items:
-            c, r, s = kc.shape[1], self.r_lens[i], self.sinks[i]
-            self.res_k[i, :, s:r - c] = self.res_k[i, :, s + c:r].clone()
-            self.res_v[i, :, s:r - c] = self.res_v[i, :, s + c:r].clone()
-            self.r_lens[i] = r - c
+        else:
+            items = []
+            for i in seqs:
+                s = self.sinks[i]
+                c = self._flush_count(self.r_lens[i], s)
+                items.append((i, self.res_k[i, :, s:s + c], self.res_v[i, :, s:s + c]))
+            self._write_groups(items)  # copies the groups out before the shift below
+            for i, kc, _ in items:
+                self._window_drop(i, self.sinks[i], self.r_lens[i], kc.shape[1])
+                self.r_lens[i] -= kc.shape[1]
         self._dev = None
 
+    def _window_drop(self, idx, s: int, r: int, c: int) -> None:
+        """Remove the ``c`` window tokens after the ``s`` sinks of sequence ``idx`` (an int) or of every
+        sequence (``slice(None)``), shifting the rest of the ``r``-token window left."""
+        for res in (self.res_k[idx], self.res_v[idx]):
+            res[..., s:r - c, :] = res[..., s + c:r, :].clone()
+
+    def _window_append(self, idx, r: int, nk, nv):
+        """Append ``nk``/``nv`` (token axis -2) to the window of sequence ``idx`` (an int) or of the whole batch
+        (``slice(None)``, every window holding ``r`` tokens). Returns the new sink count, the new window
+        length and the groups to quantize (keys, values; token axis -2), or None."""
+        total = r + nk.shape[-2]
+        s = min(self.cfg.sink_length, total)  # sinks are the sequence's first tokens: r == sinks until full
+        c = self._flush_count(total, s)
+        rk, rv = self.res_k[idx], self.res_v[idx]  # views
+        if c == 0:
+            rk[..., r:total, :] = nk
+            rv[..., r:total, :] = nv
+            return s, total, None
+        if r:
+            nk = torch.cat([rk[..., :r, :], nk], dim=-2)
+            nv = torch.cat([rv[..., :r, :], nv], dim=-2)
+        groups = (nk[..., s:s + c, :], nv[..., s:s + c, :])  # nk/nv never alias the window: safe after the writes
+        rk[..., :s, :] = nk[..., :s, :]
+        rv[..., :s, :] = nv[..., :s, :]
+        rk[..., s:total - c, :] = nk[..., s + c:, :]
+        rv[..., s:total - c, :] = nv[..., s + c:, :]
+        return s, total - c, groups
+
     def _append_chunk(self, k, v, valid) -> None:
-        cfg = self.cfg
         n_new = k.shape[2]
         if valid is None and self._uniform():  # the whole batch at once (a prompt or chunk without padding)
-            r = self.r_lens[0]
-            total = r + n_new
-            s = min(cfg.sink_length, total)
-            c = max(0, (total - s - cfg.residual_length) // cfg.group_size * cfg.group_size)
-            if c == 0:
-                self.res_k[:, :, r:total] = k
-                self.res_v[:, :, r:total] = v
-            else:
-                nk = torch.cat([self.res_k[:, :, :r], k], dim=2) if r else k
-                nv = torch.cat([self.res_v[:, :, :r], v], dim=2) if r else v
-                self._write_batch(nk[:, :, s:s + c], nv[:, :, s:s + c])
-                self.res_k[:, :, :s] = nk[:, :, :s]
-                self.res_v[:, :, :s] = nv[:, :, :s]
-                self.res_k[:, :, s:total - c] = nk[:, :, s + c:]
-                self.res_v[:, :, s:total - c] = nv[:, :, s + c:]
+            s, r, groups = self._window_append(slice(None), self.r_lens[0], k, v)
+            if groups is not None:
+                self._write_batch(*groups)
             self.sinks = [s] * self.batch_size
-            self.r_lens = [total - c] * self.batch_size
+            self.r_lens = [r] * self.batch_size
             self._dev = None
             return
         items = []
@@ -203,26 +218,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
             else:
                 keep = valid[i].nonzero().squeeze(-1)
                 nk, nv = k[i].index_select(1, keep), v[i].index_select(1, keep)
-            n = nk.shape[1]
-            self.pads[i] += n_new - n
-            r = self.r_lens[i]
-            total = r + n
-            s = min(cfg.sink_length, total)  # sinks are the sequence's first tokens: r == sinks until full
-            c = max(0, (total - s - cfg.residual_length) // cfg.group_size * cfg.group_size)
-            if c == 0:
-                self.res_k[i, :, r:total] = nk
-                self.res_v[i, :, r:total] = nv
-            else:
-                if r:
-                    nk = torch.cat([self.res_k[i, :, :r], nk], dim=1)
-                    nv = torch.cat([self.res_v[i, :, :r], nv], dim=1)
-                items.append((i, nk[:, s:s + c], nv[:, s:s + c]))
-                self.res_k[i, :, :s] = nk[:, :s]
-                self.res_v[i, :, :s] = nv[:, :s]
-                self.res_k[i, :, s:total - c] = nk[:, s + c:]
-                self.res_v[i, :, s:total - c] = nv[:, s + c:]
-            self.sinks[i] = s
-            self.r_lens[i] = total - c
+            self.pads[i] += n_new - nk.shape[1]
+            self.sinks[i], self.r_lens[i], groups = self._window_append(i, self.r_lens[i], nk, nv)
+            if groups is not None:
+                items.append((i, *groups))
         self._write_groups(items)
         self._dev = None
 
