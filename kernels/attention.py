@@ -29,10 +29,11 @@ NS is chosen from ``B * Hkv`` against the SM count and the block table's width
 
 Prefix, ``paged_prefix_attention``
 ----------------------------------
-Documented torch path: the quantized history is dequantized chunk by chunk
-(a bounded number of pages at a time) with the Triton dequant kernel, each
-chunk's attention computed in fp32 torch and merged with the log-sum-exp rule;
-the residual window plus the new tokens form the last chunk.
+Documented torch path, a batch slice at a time (bounded memory): the slice's
+pages are dequantized by the Triton dequant kernel into one buffer with the
+residual window and the new tokens, then one fused
+``scaled_dot_product_attention`` call with the query heads of each KV head
+stacked on the query axis.
 """
 
 from __future__ import annotations
@@ -528,14 +529,9 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         n = sl.stop - sl.start
         k = torch.zeros(n, hkv, s_pad, d, dtype=dt, device=q.device)
         v = torch.zeros_like(k)
-        if t_max and k_scale.dtype == dt:
+        if t_max:  # straight into the slice's buffer (the kernel converts to the buffer's dtype)
             dequantize_pages(block_table[sl], lengths[sl], k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                              key_bits, value_bits, group_size, max_len=t_max, out=(k[:, :, :t_max], v[:, :, :t_max]))
-        elif t_max:
-            kk, vv = dequantize_pages(block_table[sl], lengths[sl], k_codes, k_scale, k_zero, v_codes, v_scale,
-                                      v_zero, key_bits, value_bits, group_size, max_len=t_max)
-            k[:, :, :t_max] = kk
-            v[:, :, :t_max] = vv
         k[:, :, t_max:t_max + c] = res_k[sl]
         v[:, :, t_max:t_max + c] = res_v[sl]
         k[:, :, t_max + c:s_len] = new_k[sl]

@@ -92,9 +92,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
 
     def _to_static(self) -> None:
         """After the prompt: fixed pages for every sequence, a scratch page, state as device tensors."""
-        cfg = self.cfg
-        if self.seen >= self.max_cache_len:
-            raise ValueError(f"the prompt ({self.seen} tokens) does not fit max_cache_len={self.max_cache_len}")
+        cfg = self.cfg  # the prompt fits: update() checked its length before storing it
         maxp = -(-self.max_cache_len // cfg.page_size)
         for table in self.tables:
             while len(table) < maxp:
