@@ -127,6 +127,7 @@ STATIC_CACHES = ("fp16-static", "kivi-int4-static")
 # opt-in: KIVI-2 proper, 2-bit keys and values (g32, 4 sinks; 0.375 B/element): the memory class of the
 # issue's "int2" (Int2PagedCache keeps 4-bit keys for retrieval quality, 0.4375 B/element)
 EXTRA_CACHES = ("kivi-kv2",)
+ALL_CACHES = CACHES + STATIC_CACHES + EXTRA_CACHES
 CASES = ("short", "long", "ctx", "maxbatch")
 KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
                 "kivi-kv2": functools.partial(QuantizedPagedCache, key_bits=2, value_bits=2, group_size=32,
@@ -821,7 +822,7 @@ def maxbatch_rates(row: dict, n: int, m: int) -> dict:
     row.update(decode_step_ms_tN=None if step_tn is None else step_tn * 1e3,
                decode_step_ms=None if not timer else timer * 1e3, step_ms_timer=None if not timer else timer * 1e3,
                decode_tok_s=None if not timer else b / timer, e2e_tok_s=b * n / tn,
-               prefill_s=None if not timer or row.get("ttft_s") is None else row["ttft_s"],
+               prefill_s=row.get("ttft_s"),
                step_method="per-step timer (median)")
     return row
 
@@ -958,7 +959,7 @@ def plots(result: dict, out_path: str) -> list[str]:
         return []
     stem = os.path.splitext(out_path)[0]
     files = []
-    colors = {c: f"C{i}" for i, c in enumerate(CACHES + STATIC_CACHES + EXTRA_CACHES)}
+    colors = {c: f"C{i}" for i, c in enumerate(ALL_CACHES)}
     # throughput vs batch size
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
     for ax, m in zip(axes[0], models, strict=True):
@@ -1042,7 +1043,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, few tokens (CPU-capable smoke run)")
     ap.add_argument("--models", default=None, help=f"comma list of {list(MODELS)} (default llama2-7b,llama3-8b)")
     ap.add_argument("--caches", default=None,
-                    help=f"comma list of {list(CACHES + STATIC_CACHES + EXTRA_CACHES)} (default: {list(CACHES)})")
+                    help=f"comma list of {list(ALL_CACHES)} (default: {list(CACHES)})")
     ap.add_argument("--cases", default=None, help=f"comma list of {list(CASES)} (default all)")
     ap.add_argument("--prompt", type=int, default=None, help="short case prompt (1024)")
     ap.add_argument("--new", type=int, default=None, help="short case new tokens (256)")
@@ -1092,7 +1093,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.models = names(args.models, MODELS)
-    args.caches = names(args.caches, CACHES + STATIC_CACHES + EXTRA_CACHES)
+    args.caches = names(args.caches, ALL_CACHES)
     args.cases = names(args.cases, CASES)
     args.ctx_prompts = ints(args.ctx_prompts)
     args.batch_prompts = ints(args.batch_prompts)
