@@ -12,6 +12,14 @@ def tiny_llama(attn="sdpa", layers=2, seed=0):
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_llama_d64(seed=0):
+    """Grouped-query attention (2 query heads per KV head) with head_dim 64, which the Triton kernels accept."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
 def tiny_qwen2(attn="sdpa", layers=2, seed=0):
     """Grouped-query attention: 8 query heads share 2 KV heads."""
     torch.manual_seed(seed)

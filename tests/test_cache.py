@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from models import SMALL, decisive_prompt, tiny_llama, tiny_qwen2
+from models import SMALL, decisive_prompt, tiny_llama, tiny_llama_d64, tiny_qwen2
 from transformers import DynamicCache
 
 import kivi_cache
@@ -388,11 +388,7 @@ def test_each_layer_keeps_its_pages_on_its_own_device():
 def test_chunked_prefill_kernel_path_matches_reference(bits):
     """Prefill in chunks with a left-padded batch: chunks after the first attend to the quantized past through
     the kernels' prefix path (dequantize per batch slice + fused SDPA) and match the torch reference."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)).eval()
+    model = tiny_llama_d64()
     ids = torch.randint(0, 128, (3, 90), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0

@@ -2,19 +2,11 @@
 
 import pytest
 import torch
-from models import SMALL, decisive_prompt
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from models import SMALL, decisive_prompt, tiny_llama_d64
+from transformers import DynamicCache
 
 import kivi_cache
 from kivi_cache import QuantizedPagedCache, cache_kwargs
-
-
-def tiny_llama_d64(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval()
-
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
