@@ -13,16 +13,18 @@ register relabelling: join, permute, reshape).
 
 * ``pairs_asm`` (GPU, 2/4-bit codes): one PTX block per word. ``prmt`` spreads
   bytes ``2p, 2p+1`` into the low bytes of the two halves; per plane a shift and
-  one ``lop3`` put the code in the top mantissa bits of 1.0 (``v = 1 + c / 2**bits``,
-  exact) and one packed ``fma`` gives ``v * (2**bits s) + (z - 2**bits s) = c s + z``:
+  one ``lop3`` put the code in the top mantissa bits of ``2**bits`` (``v = 2**bits + c``,
+  exact) and one packed ``fma`` gives ``v * s + (z - 2**bits s) = c s + z``:
   1.75 instructions per code, no integer-to-float conversions. The extra rounding
-  of ``z - 2**bits s`` is at most 2**-11 (fp16) of ``|z| + 2**bits s``.
+  of ``z - 2**bits s`` is at most 2**-11 (fp16) of ``|z| + 2**bits s``. (Same
+  products and sums as with ``v = 1 + c / 2**bits`` and the scale ``2**bits s``,
+  bit for bit, without the multiply that made ``2**bits s``.)
 * ``pairs_emulated``: the same pairs from the same folded scales in plain Triton
   (fp32 math, then rounded): runs in the interpreter (CPU tests of everything but
   the PTX) and for 8-bit codes.
 
-Scales and zero points enter folded (:func:`fold_scale`) and packed as pairs
-(:func:`pack2`), the layout of the fma operands.
+Scales enter as they are, zero points folded to ``z - 2**bits s`` (:func:`fold_scale`), both
+packed as pairs (:func:`pack2`), the layout of the fma operands.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _asm(bits: int, bf16: bool) -> str:
     n = 8 // bits
     n2 = 2 * n
     top = 7 if bf16 else 10  # mantissa bits
-    magic = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
+    one = (127 + bits) << 7 if bf16 else (15 + bits) << 10  # 2**bits: its ulp * 2**(top - bits) is 1
+    magic = f"0x{one | one << 16:08X}"  # 2**bits in both halves
     field = ((1 << bits) - 1) << (top - bits)
     mask = f"0x{field | field << 16:08X}"
     fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
@@ -61,12 +64,12 @@ def _asm(bits: int, bf16: bool) -> str:
 
 
 def _fold_asm(bits: int, bf16: bool) -> str:
-    """PTX folding a pair of scales and zero points (two packed halves each): $0 = 2**bits * s,
-    $1 = z - 2**bits * s (one rounding), from $2 = s, $3 = z."""
+    """PTX folding a pair of zero points (two packed halves): $0 = z - 2**bits * s (one rounding), from
+    $1 = s, $2 = z. The scale pair itself is the fma's multiplier as it is."""
     one = (127 + bits) << 7 if bf16 else (15 + bits) << 10
     t = "bf16x2" if bf16 else "f16x2"
-    return "\n".join(["{", ".reg .b32 c;", f"mov.b32 c, 0x{one | one << 16:08X};", f"mul.rn.{t} $0, $2, c;",
-                      f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};", f"fma.rn.{t} $1, $2, c, $3;", "}"])
+    return "\n".join(["{", ".reg .b32 c;", f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};",
+                      f"fma.rn.{t} $0, $1, c, $2;", "}"])
 
 
 def _constraints(bits: int) -> str:
@@ -88,21 +91,21 @@ CON2 = tl.constexpr(_constraints(2))
 
 @triton.jit
 def fold_scale(s, z, BITS: tl.constexpr, DT: tl.constexpr):
-    """(2**bits * s, z - 2**bits * s) in DT (fp16/bf16): the fma operands of ``pairs_asm``. Computed in DT
+    """(s, z - 2**bits * s) in DT (fp16/bf16): the fma operands of ``pairs_asm``. Computed in DT
     (packed half2 math on the GPU): the product is exact, the difference rounded once, as in fp32."""
-    sf = s.to(DT) * (1 << BITS)
-    return sf, z.to(DT) - sf
+    sd = s.to(DT)
+    return sd, z.to(DT) - sd * (1 << BITS)
 
 
 @triton.jit
 def fold_pairs_asm(s, z, BITS: tl.constexpr, BF16: tl.constexpr):
     """``fold_scale`` on int32 tiles that hold (scale, scale) and (zero, zero) pairs of adjacent channels,
-    as loaded from the fp16/bf16 pools viewed as int32: two packed instructions per pair (GPU only)."""
+    as loaded from the fp16/bf16 pools viewed as int32: one packed fma per pair (GPU only)."""
     if BITS == 4:
         ASM: tl.constexpr = FOLD4_BF16 if BF16 else FOLD4_F16
     else:
         ASM: tl.constexpr = FOLD2_BF16 if BF16 else FOLD2_F16
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    return s, tl.inline_asm_elementwise(ASM, "=r,r,r", [s, z], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -157,14 +160,13 @@ def pairs_asm(words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7,
 
 @triton.jit
 def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.constexpr, DT: tl.constexpr):
-    """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = v * sf + zf."""
+    """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = (2**bits + c) * s + zf."""
     s_lo, s_hi = unpack_half(sp, DT)
     z_lo, z_hi = unpack_half(zp, DT)
     c_lo = (words >> (16 * p + k * BITS)) & ((1 << BITS) - 1)
     c_hi = (words >> (16 * p + 8 + k * BITS)) & ((1 << BITS) - 1)
-    inv = 1.0 / (1 << BITS)
-    v_lo = (1.0 + c_lo.to(tl.float32) * inv) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
-    v_hi = (1.0 + c_hi.to(tl.float32) * inv) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
+    v_lo = (c_lo + (1 << BITS)).to(tl.float32) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
+    v_hi = (c_hi + (1 << BITS)).to(tl.float32) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
     return pack2(v_lo.to(DT), v_hi.to(DT))
 
 
