@@ -289,10 +289,10 @@ def _decode_split_kernel(
                                        VBITS, BF16)
                     for k in tl.static_range(NV):
                         if VASM:
-                            vv = plane(vp[2 * k], vp[2 * k + 1], DT)
+                            vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
                         else:
                             e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
-                            vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT)
+                            vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT, BLOCK > 32)
                         pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
                         a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
                                                                      a5, a6, a7)

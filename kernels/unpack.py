@@ -134,12 +134,28 @@ def unpack_half(x, DT: tl.constexpr):
 
 
 @triton.jit
-def plane(p0, p1, DT: tl.constexpr):
-    """Pairs 0 and 1 of a plane, [N, W] int32 each -> [N, 4W] DT in natural channel order."""
+def _opaque(x):
+    """Identity on packed halves (a register move ptxas removes; GPU only) that Triton's operand-width
+    analysis (``computeOrigBitWidth``) does not look through: past a ``tl.join`` it would otherwise
+    pick 4-element-wide MMA operands (kWidth 4)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
+def plane(p0, p1, DT: tl.constexpr, CUT: tl.constexpr = False, ASM: tl.constexpr = True):
+    """Pairs 0 and 1 of a plane, [N, W] int32 each -> [N, 4W] DT in natural channel order. ``CUT``:
+    MMA operands built from it get the plain 2-wide layout (kWidth 2; the identity asm only with ``ASM``,
+    on the GPU): used for value tiles, which go through shared memory (transposed by ``ldmatrix``)
+    anyway and with kWidth 4 come out of it split across MMAs (one register move per fragment register)."""
     a0, a1 = unpack_half(p0, DT)
     a2, a3 = unpack_half(p1, DT)
-    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [N, W, half, pair]
-    x = tl.permute(x, (0, 1, 3, 2))  # [N, W, pair, half]: channel 4w + 2 * pair + half
+    if CUT:  # [N, W, pair, half]: the two halves of a pair in one register, as the unpack made them
+        x = tl.join(tl.join(a0, a2), tl.join(a1, a3))
+        if ASM:
+            x = _opaque(x)
+    else:
+        x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [N, W, half, pair]
+        x = tl.permute(x, (0, 1, 3, 2))  # [N, W, pair, half]: channel 4w + 2 * pair + half
     return tl.reshape(x, [p0.shape[0], 4 * p0.shape[1]])
 
 
@@ -171,9 +187,12 @@ def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.cons
 
 
 @triton.jit
-def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr):
-    """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``)."""
-    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT), pair_emulated(words, k, 1, s1, z1, BITS, DT), DT)
+def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr,
+                   CUT: tl.constexpr = False):
+    """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``; ``CUT`` as for
+    :func:`plane`, without the asm)."""
+    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT), pair_emulated(words, k, 1, s1, z1, BITS, DT), DT,
+                 CUT, False)
 
 
 @triton.jit
