@@ -51,12 +51,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax(s, m_i, l_i):
-    """One online-softmax step over transposed scores ``s`` [N tokens, GP heads] (exp2 domain; masked
-    entries are -inf). Returns the new running max and sum, the accumulators' rescale factor, and p."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+def _online_softmax(s, m_i, l_i, qk_scale):
+    """One online-softmax step over transposed raw scores ``s`` [N tokens, GP heads] (masked entries are
+    -inf); ``qk_scale`` > 0 takes them to the exp2 domain, where the running max ``m_i`` lives. The scale
+    is applied to the column max (max commutes with it) and inside one fma per score, ``s * qk_scale -
+    m``, not by a separate multiply. Returns the new running max and sum, the accumulators' rescale
+    factor, and p."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
+    p = tl.exp2(s * qk_scale - m_new[None, :])
     return m_new, l_i * alpha + tl.sum(p, axis=0), alpha, p
 
 
@@ -266,8 +269,8 @@ def _decode_split_kernel(
                                                     [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
                     kk = plane_plain(kw, k, ks, kz, KBITS, DT)
                     s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
-            s = tl.where(tvalid[:, None], s * qk_scale, float("-inf"))
-            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
+            s = tl.where(tvalid[:, None], s, float("-inf"))
+            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i, qk_scale)
             pd = p.to(DT)
             vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
             svrow = page * s_vsp + tp * (D // G)
@@ -315,9 +318,9 @@ def _decode_split_kernel(
             tok = start + tl.arange(0, BLOCK_R)
             tvalid = tok < rlen
             kk = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
-            s = tl.dot(kk.to(tl.float32).to(DT), q, input_precision=PREC) * qk_scale
+            s = tl.dot(kk.to(tl.float32).to(DT), q, input_precision=PREC)
             s = tl.where(tvalid[:, None], s, float("-inf"))
-            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
+            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i, qk_scale)
             pd = p.to(DT)
             for gi in tl.static_range(NW):
                 cols = gi * W + offs_c
