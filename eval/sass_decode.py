@@ -75,7 +75,7 @@ def loops(sass):
 
 def main():
     const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
-                 VASM=True, BF16=False)
+                 VASM=True, BF16=False, VW32=True)
     const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
     k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", 3)),
                        int(os.environ.get("R", 0)))

@@ -45,7 +45,8 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
-from .unpack import fold_pairs_asm, fold_scale, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated, plane_plain
+from .unpack import (fold_pairs_asm, fold_scale, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated, plane_plain,
+                     value_pair_asm)
 
 LOG2E = 1.4426950408889634
 
@@ -154,6 +155,23 @@ def _value_pair(s_ptrs, z_ptrs, tvalid, grp, BITS: tl.constexpr, DT: tl.constexp
 
 
 @triton.jit
+def _value_words(vs_h, vz_h, row32, tvalid, j: tl.constexpr):
+    """Word j (value groups 2j, 2j + 1) of each step token's scales and zeros: [BLOCK] int32 each."""
+    s = tl.load(vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + row32 + j, mask=tvalid, other=0)
+    z = tl.load(vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + row32 + j, mask=tvalid, other=0)
+    return s, z
+
+
+@triton.jit
+def _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, grp: tl.constexpr, BITS: tl.constexpr,
+                  BF16: tl.constexpr):
+    """``_value_pair`` from the words of ``_value_words`` (GPU): [G, 1] int32 (s, s) and folded (z', z')."""
+    s, z = value_pair_asm(_pick4(grp // 2, sw0, sw1, sw2, sw3), _pick4(grp // 2, zw0, zw1, zw2, zw3), grp % 2,
+                          BITS, BF16)
+    return s[:, None], z[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, bt_ptr, len_ptr,
     kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
@@ -167,6 +185,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
+    VW32: tl.constexpr = False,
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -274,9 +293,34 @@ def _decode_split_kernel(
             pd = p.to(DT)
             vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
             svrow = page * s_vsp + tp * (D // G)
+            if VW32:  # a token's value scales (and zeros) as int32 words: groups 2j, 2j + 1 in word j
+                row32 = (page * s_vsp) // 2 + tp * (D // G // 2)
+                sw0, zw0 = _value_words(vs_h, vz_h, row32, tvalid, 0)
+                sw1, zw1, sw2, zw2, sw3, zw3 = sw0, zw0, sw0, zw0, sw0, zw0
+                if D // G >= 4:
+                    sw1, zw1 = _value_words(vs_h, vz_h, row32, tvalid, 1)
+                if D // G >= 8:
+                    sw2, zw2 = _value_words(vs_h, vz_h, row32, tvalid, 2)
+                    sw3, zw3 = _value_words(vs_h, vz_h, row32, tvalid, 3)
             for c in tl.static_range(NC):  # byte chunk c of the value rows: sub-tile c of every plane
                 vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
-                if HALF:
+                if VW32:
+                    e0, h0 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (c * W) // G, VBITS, BF16)
+                    e1, h1, e2, h2, e3, h3 = e0, h0, e0, h0, e0, h0
+                    if NV >= 2:
+                        e1, h1 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (DV + c * W) // G, VBITS, BF16)
+                    if NV == 4:
+                        e2, h2 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (2 * DV + c * W) // G, VBITS,
+                                               BF16)
+                        e3, h3 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (3 * DV + c * W) // G, VBITS,
+                                               BF16)
+                    vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3, VBITS, BF16)
+                    for k in tl.static_range(NV):
+                        vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
+                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                     a5, a6, a7)
+                elif HALF:
                     e0, h0 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (c * W) // G, VBITS, DT)
                     if NV >= 2:
                         e1, h1 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (DV + c * W) // G, VBITS, DT)
@@ -370,6 +414,13 @@ def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
     return not dot_f32 and not interpreting() and bits in (2, 4) and dtype in (torch.float16, torch.bfloat16)
 
 
+def _value_words_ok(d: int, group_size: int, v_scale, v_zero) -> bool:
+    """Value scales/zeros readable as int32 words per token (2 groups a word, at most 4 words)."""
+    n = d // group_size
+    return n % 2 == 0 and n <= 8 and all(x % 2 == 0 for t in (v_scale, v_zero)
+                                         for x in (t.stride(0), t.stride(1), t.storage_offset()))
+
+
 def _step_tokens(page_size: int, group_size: int, interp: bool) -> int:
     """Tokens per step of the paged loop: whole key groups inside one page, up to KIVI_DECODE_STEP (64)."""
     cap = max(group_size, int(os.environ.get("KIVI_DECODE_STEP", 64)))
@@ -459,6 +510,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     vw = v_codes.view(torch.int32)
     if kw.stride(2) != kw.shape[3] or vw.stride(2) != vw.shape[3] or v_scale.stride(2) != v_scale.shape[3]:
         raise ValueError("pool tensors must be contiguous within a page (token rows back to back)")
+    vasm = not _plain and _use_asm(q.dtype, value_bits, dot_f32)
     _decode_split_kernel[(bsz * hkv, ns + 1)](
         q, block_table, lengths,
         kw, k_scale, k_zero, vw, v_scale, v_zero,
@@ -475,7 +527,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
         KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
         KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
-        VASM=not _plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
+        VASM=vasm, BF16=q.dtype == torch.bfloat16, VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero),
         num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)),
         num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),
         **_maxnreg(interp, blk),
