@@ -45,8 +45,8 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
-from .unpack import (fold_pairs_asm, fold_scale, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated, plane_plain,
-                     value_pair_asm)
+from .unpack import (fold_pairs_asm, fold_scale, odd_order, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated,
+                     plane_plain, value_pair_asm)
 
 LOG2E = 1.4426950408889634
 
@@ -314,7 +314,8 @@ def _decode_split_kernel(
                                                BF16)
                         e3, h3 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (3 * DV + c * W) // G, VBITS,
                                                BF16)
-                    vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3, VBITS, BF16)
+                    vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3, VBITS, BF16,
+                                   True)
                     for k in tl.static_range(NV):
                         vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
                         pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
@@ -333,13 +334,13 @@ def _decode_split_kernel(
                         e2, h2, e3, h3 = e0, h0, e0, h0
                     if VASM:
                         vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3,
-                                       VBITS, BF16)
+                                       VBITS, BF16, True)
                     for k in tl.static_range(NV):
                         if VASM:
                             vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
                         else:
                             e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
-                            vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT, BLOCK > 32)
+                            vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT, BLOCK > 32, True)
                         pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
                         a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
                                                                      a5, a6, a7)
@@ -376,9 +377,12 @@ def _decode_split_kernel(
     ws = row * (NS + 1) + split
     tl.store(m_ws + ws, m_i, mask=gmask)
     tl.store(l_ws + ws, l_i, mask=gmask)
+    offs_o = offs_c
+    if HALF:  # the paged loop's value tiles hold their channels in odd_order (ODD pairs: no byte shuffles)
+        offs_o = tl.where(split < NS, odd_order(offs_c), offs_c)
     for gi in tl.static_range(NW):
         acc = _acc_get(gi, a0, a1, a2, a3, a4, a5, a6, a7)
-        tl.store(o_ws + ws[None, :] * D + (gi * W + offs_c)[:, None], acc, mask=gmask[None, :])
+        tl.store(o_ws + ws[None, :] * D + (gi * W + offs_o)[:, None], acc, mask=gmask[None, :])
 
 
 @triton.jit

@@ -33,9 +33,11 @@ import triton
 import triton.language as tl
 
 
-def _asm(bits: int, bf16: bool) -> str:
+def _asm(bits: int, bf16: bool, odd: bool = False) -> str:
     """PTX for one word. Operands: outputs $(2k+p) for plane k, pair p; input word $n2 (n2 = 2 * planes);
-    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p)."""
+    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p). Pair p holds bytes (2p, 2p + 1)
+    (channels 4w + 2p, 4w + 2p + 1); with ``odd`` bytes (p, p + 2) instead (channels 4w + p, 4w + p + 2):
+    they already sit in the two halves of the word, so a shift of the whole word replaces the prmt."""
     n = 8 // bits
     n2 = 2 * n
     top = 7 if bf16 else 10  # mantissa bits
@@ -44,13 +46,16 @@ def _asm(bits: int, bf16: bool) -> str:
     field = ((1 << bits) - 1) << (top - bits)
     mask = f"0x{field | field << 16:08X}"
     fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
-    lines = ["{", ".reg .b32 t0, t1, u;",
-             f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1
-             f"prmt.b32 t1, ${n2}, ${n2}, 0x3322;"]  # bytes 2, 3
+    if odd:
+        lines = ["{", ".reg .b32 u;"]
+    else:
+        lines = ["{", ".reg .b32 t0, t1, u;",
+                 f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1
+                 f"prmt.b32 t1, ${n2}, ${n2}, 0x3322;"]  # bytes 2, 3
     for k in range(n):
-        sh = top - bits - k * bits
         for p in range(2):
-            t = f"t{p}"
+            t = f"${n2}" if odd else f"t{p}"
+            sh = top - bits - k * bits - (8 * p if odd else 0)
             if sh > 0:
                 lines.append(f"shl.b32 u, {t}, {sh};")
             elif sh < 0:
@@ -77,10 +82,7 @@ def _constraints(bits: int) -> str:
     return ",".join(["=r"] * (2 * n) + ["r"] * (1 + 4 * n))
 
 
-ASM4_F16 = tl.constexpr(_asm(4, False))
-ASM4_BF16 = tl.constexpr(_asm(4, True))
-ASM2_F16 = tl.constexpr(_asm(2, False))
-ASM2_BF16 = tl.constexpr(_asm(2, True))
+PAIRS = tl.constexpr({(b, f, o): _asm(b, f, o) for b in (2, 4) for f in (False, True) for o in (False, True)})
 CON4 = tl.constexpr(_constraints(4))
 FOLD4_F16 = tl.constexpr(_fold_asm(4, False))
 FOLD4_BF16 = tl.constexpr(_fold_asm(4, True))
@@ -182,26 +184,28 @@ def plane(p0, p1, DT: tl.constexpr, CUT: tl.constexpr = False, ASM: tl.constexpr
 
 @triton.jit
 def pairs_asm(words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7, z7,
-              BITS: tl.constexpr, BF16: tl.constexpr):
+              BITS: tl.constexpr, BF16: tl.constexpr, ODD: tl.constexpr = False):
     """words [N, W] int32; (s2k+p, z2k+p): packed folded scales of plane k, pair p (broadcastable to
-    words; planes beyond 8 // BITS are ignored). Returns 2 * (8 // BITS) int32 tiles, plane-major."""
+    words; planes beyond 8 // BITS are ignored). Returns 2 * (8 // BITS) int32 tiles, plane-major.
+    ``ODD``: pair p holds channels (4w + p, 4w + p + 2) (see ``_asm``)."""
     if BITS == 4:
-        ASM: tl.constexpr = ASM4_BF16 if BF16 else ASM4_F16
-        return tl.inline_asm_elementwise(ASM, CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
+        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
                                          dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     else:
-        ASM: tl.constexpr = ASM2_BF16 if BF16 else ASM2_F16
-        return tl.inline_asm_elementwise(ASM, CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6,
+        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6,
                                                      s7, z7], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
-def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.constexpr, DT: tl.constexpr):
+def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.constexpr, DT: tl.constexpr,
+                  ODD: tl.constexpr = False):
     """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = (2**bits + c) * s + zf."""
     s_lo, s_hi = unpack_half(sp, DT)
     z_lo, z_hi = unpack_half(zp, DT)
-    c_lo = (words >> (16 * p + k * BITS)) & ((1 << BITS) - 1)
-    c_hi = (words >> (16 * p + 8 + k * BITS)) & ((1 << BITS) - 1)
+    lo: tl.constexpr = 8 * p if ODD else 16 * p  # bit offset of the low half's byte
+    hi: tl.constexpr = 8 * p + 16 if ODD else 16 * p + 8
+    c_lo = (words >> (lo + k * BITS)) & ((1 << BITS) - 1)
+    c_hi = (words >> (hi + k * BITS)) & ((1 << BITS) - 1)
     v_lo = (c_lo + (1 << BITS)).to(tl.float32) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
     v_hi = (c_hi + (1 << BITS)).to(tl.float32) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
     return pack2(v_lo.to(DT), v_hi.to(DT))
@@ -209,11 +213,18 @@ def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.cons
 
 @triton.jit
 def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr,
-                   CUT: tl.constexpr = False):
+                   CUT: tl.constexpr = False, ODD: tl.constexpr = False):
     """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``; ``CUT`` as for
-    :func:`plane`, without the asm)."""
-    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT), pair_emulated(words, k, 1, s1, z1, BITS, DT), DT,
-                 CUT, False)
+    :func:`plane`, without the asm; ``ODD`` as for ``pairs_asm``: channels in order ``odd_order``)."""
+    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT, ODD), pair_emulated(words, k, 1, s1, z1, BITS, DT, ODD),
+                 DT, CUT, False)
+
+
+@triton.jit
+def odd_order(c):
+    """Channel held at position ``c`` of a plane assembled from ``ODD`` pairs: bits 0 and 1 of c swapped
+    (4w + 2p + h holds channel 4w + p + 2h)."""
+    return (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
 
 
 @triton.jit
