@@ -45,8 +45,8 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
-from .unpack import (fold_pairs_asm, fold_scale, odd_order, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated,
-                     plane_plain, value_pair_asm)
+from .unpack import (fold_pairs_asm, fold_scale, odd_order, odd_pairs_asm, pack2, pack_channel_pairs, pairs_asm, plane,
+                     plane_emulated, plane_plain, value_pair_asm)
 
 LOG2E = 1.4426950408889634
 
@@ -119,6 +119,15 @@ def _pick4(i: tl.constexpr, x0, x1, x2, x3):
 
 
 @triton.jit
+def _qrows(q, ODD: tl.constexpr):
+    """q^T rows [DK, GP] in odd_order when ``ODD`` (the key planes' channel order with ODD pairs): row
+    4w + 2b + a holds channel 4w + 2a + b (a view: reshape and permute)."""
+    if ODD:
+        q = tl.reshape(tl.permute(tl.reshape(q, [q.shape[0] // 4, 2, 2, q.shape[1]]), (0, 2, 1, 3)), q.shape)
+    return q
+
+
+@triton.jit
 def _rows(x, G: tl.constexpr):
     """[GPS, W] per-group values -> [GPS * G, W], each group's row repeated for its G tokens."""
     return tl.reshape(tl.broadcast_to(x[:, None, :], [x.shape[0], G, x.shape[1]]), [x.shape[0] * G, x.shape[1]])
@@ -126,9 +135,10 @@ def _rows(x, G: tl.constexpr):
 
 @triton.jit
 def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ODD: tl.constexpr):
     """Folded, pair-packed key scales of plane k for the step's groups (``srow``/``zrow``: [GPS] row
-    pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token).
+    pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token);
+    with ``ODD`` pairs of channels (4w + p, 4w + p + 2), as ``pairs_asm(..., ODD=True)`` makes the codes.
     With ``ASM`` (GPU) the pairs are loaded as int32 (the pools viewed as int32) and folded by PTX in
     packed half2 arithmetic, with no repacking; else folded in Triton and packed."""
     if ASM:
@@ -138,11 +148,14 @@ def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.const
                                 BITS, BF16)
         s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
         z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
+        if ODD:
+            s0, s1 = odd_pairs_asm(s0, s1)
+            z0, z1 = odd_pairs_asm(z0, z1)
     else:
         sf, zf = fold_scale(tl.load(srow[:, None, None] + k * DK + kcols[None]),
                             tl.load(zrow[:, None, None] + k * DK + kcols[None]), BITS, DT)
-        s0, s1 = pack_channel_pairs(sf, DT)
-        z0, z1 = pack_channel_pairs(zf, DT)
+        s0, s1 = pack_channel_pairs(sf, DT, ODD)
+        z0, z1 = pack_channel_pairs(zf, DT, ODD)
     return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
 
 
@@ -213,6 +226,9 @@ def _decode_split_kernel(
     W: tl.constexpr = G if G < DV else DV  # value sub-tile width: inside one group and one plane
     NW: tl.constexpr = D // W  # value sub-tiles (<= 8), one accumulator each
     NC: tl.constexpr = DV // W  # value sub-tiles per plane (byte chunks of a row)
+    # Key codes as ODD pairs (no byte shuffles; q's rows and the key scale pairs follow): the scale pairs
+    # then cost two prmt per pair, once per key group and lane, which pays off from 64-token groups.
+    KODD: tl.constexpr = HALF and G >= 64
     offs_g = tl.arange(0, GP)
     hq = h * GROUP + offs_g
     gmask = offs_g < GROUP
@@ -247,10 +263,11 @@ def _decode_split_kernel(
         wk = tl.arange(0, DK // 4)
         wv = tl.arange(0, W // 4)
         kcols = wk[:, None] * 4 + tl.arange(0, 4)[None, :]  # [DK/4, 4]: channel within a key plane
-        q0 = tl.load(q_col + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        q1 = tl.load(q_col + (DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        q2 = tl.load(q_col + (2 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        q3 = tl.load(q_col + (3 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
+        qc = tl.arange(0, DK)
+        q0 = _qrows(tl.load(q_col + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
+        q1 = _qrows(tl.load(q_col + (DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
+        q2 = _qrows(tl.load(q_col + (2 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
+        q3 = _qrows(tl.load(q_col + (3 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
         for start in range(t0, t1, BLOCK):
             page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
             tp = start % P + offs_t  # token slots in the page
@@ -260,25 +277,26 @@ def _decode_split_kernel(
             zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
             s = tl.zeros([BLOCK, GP], tl.float32)
             if HALF:
-                f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM)
+                f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD)
                 if NK >= 2:
-                    f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM)
+                    f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD)
                 else:
                     f10, f11, g10, g11 = f00, f01, g00, g01
                 if NK == 4:
-                    f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM)
-                    f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM)
+                    f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD)
                 else:
                     f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                 if KASM:
                     kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
-                                   f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16)
+                                   f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD)
                 for k in tl.static_range(NK):
                     if KASM:
                         kk = plane(kp[2 * k], kp[2 * k + 1], DT)
                     else:
                         kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
-                                            _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT)
+                                            _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT,
+                                            False, KODD)
                     s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
             else:
                 for k in tl.static_range(NK):

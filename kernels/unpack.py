@@ -140,12 +140,26 @@ def pack2(lo, hi):
 
 
 @triton.jit
-def pack_channel_pairs(x, DT: tl.constexpr):
+def pack_channel_pairs(x, DT: tl.constexpr, ODD: tl.constexpr = False):
     """x [R, W, 4] (channel 4w + b) -> (pair 0, pair 1), each [R, W] int32 holding channels (4w, 4w+1) and
-    (4w+2, 4w+3)."""
+    (4w+2, 4w+3); with ``ODD`` (4w, 4w+2) and (4w+1, 4w+3)."""
     even, odd = tl.split(tl.reshape(x.to(DT), [x.shape[0], x.shape[1], 2, 2]))
+    if ODD:
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        return pack2(e0, e1), pack2(o0, o1)
     p0, p1 = tl.split(pack2(even, odd))
     return p0, p1
+
+
+ODD_PAIRS = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;")
+
+
+@triton.jit
+def odd_pairs_asm(a, b):
+    """Pairs of channels (4w, 4w+1), (4w+2, 4w+3) -> ODD pairs (4w, 4w+2), (4w+1, 4w+3): two prmt (GPU)."""
+    return tl.inline_asm_elementwise(ODD_PAIRS, "=r,=r,r,r", [a, b], dtype=(tl.int32, tl.int32), is_pure=True,
+                                     pack=1)
 
 
 @triton.jit

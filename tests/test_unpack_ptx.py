@@ -139,3 +139,10 @@ def test_pairs_ptx_bf16_fields(bits, odd):
                     half = (out[f"${2 * k + p}"] >> (16 * h)) & 0xFFFF
                     v = np.array([half << 16], dtype=np.uint32).view(np.float32)[0]
                     assert v == (1 << bits) + c
+
+
+def test_odd_pairs_ptx():
+    a, b = _pair(1.0, 2.0), _pair(3.0, 4.0)  # channels (4w, 4w+1), (4w+2, 4w+3)
+    out = run_ptx(unpack.ODD_PAIRS.value, {"$2": a, "$3": b})
+    np.testing.assert_array_equal(_h2(out["$0"]), [1.0, 3.0])
+    np.testing.assert_array_equal(_h2(out["$1"]), [2.0, 4.0])
