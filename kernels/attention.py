@@ -268,109 +268,120 @@ def _decode_split_kernel(
         q1 = _qrows(tl.load(q_col + (DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
         q2 = _qrows(tl.load(q_col + (2 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
         q3 = _qrows(tl.load(q_col + (3 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
-        for start in range(t0, t1, BLOCK):
-            page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
-            tp = start % P + offs_t  # token slots in the page
-            tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
-            kw = tl.load(kw_h + page * s_kcp + tp[:, None] * (DK // 4) + wk[None, :])
-            srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
-            zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
-            s = tl.zeros([BLOCK, GP], tl.float32)
-            if HALF:
-                f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD)
-                if NK >= 2:
-                    f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD)
-                else:
-                    f10, f11, g10, g11 = f00, f01, g00, g01
-                if NK == 4:
-                    f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD)
-                    f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD)
-                else:
-                    f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
-                if KASM:
-                    kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
-                                   f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD)
-                for k in tl.static_range(NK):
-                    if KASM:
-                        kk = plane(kp[2 * k], kp[2 * k + 1], DT)
-                    else:
-                        kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
-                                            _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT,
-                                            False, KODD)
-                    s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+        t_full = t0 + (t1 - t0) // BLOCK * BLOCK
+        for phase in tl.static_range(2):  # whole steps, then at most one partial step (the only masked one)
+            if phase == 0:
+                lo = t0
+                hi = t_full
             else:
-                for k in tl.static_range(NK):
-                    ks = tl.reshape(tl.broadcast_to(tl.load(srow[:, None, None] + k * DK + kcols[None])[:, None],
-                                                    [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
-                    kz = tl.reshape(tl.broadcast_to(tl.load(zrow[:, None, None] + k * DK + kcols[None])[:, None],
-                                                    [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
-                    kk = plane_plain(kw, k, ks, kz, KBITS, DT)
-                    s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
-            s = tl.where(tvalid[:, None], s, float("-inf"))
-            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i, qk_scale)
-            pd = p.to(DT)
-            vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
-            svrow = page * s_vsp + tp * (D // G)
-            if VW32:  # a token's value scales (and zeros) as int32 words: groups 2j, 2j + 1 in word j
-                row32 = (page * s_vsp) // 2 + tp * (D // G // 2)
-                sw0, zw0 = _value_words(vs_h, vz_h, row32, tvalid, 0)
-                sw1, zw1, sw2, zw2, sw3, zw3 = sw0, zw0, sw0, zw0, sw0, zw0
-                if D // G >= 4:
-                    sw1, zw1 = _value_words(vs_h, vz_h, row32, tvalid, 1)
-                if D // G >= 8:
-                    sw2, zw2 = _value_words(vs_h, vz_h, row32, tvalid, 2)
-                    sw3, zw3 = _value_words(vs_h, vz_h, row32, tvalid, 3)
-            for c in tl.static_range(NC):  # byte chunk c of the value rows: sub-tile c of every plane
-                vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
-                if VW32:
-                    e0, h0 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (c * W) // G, VBITS, BF16)
-                    e1, h1, e2, h2, e3, h3 = e0, h0, e0, h0, e0, h0
-                    if NV >= 2:
-                        e1, h1 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (DV + c * W) // G, VBITS, BF16)
-                    if NV == 4:
-                        e2, h2 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (2 * DV + c * W) // G, VBITS,
-                                               BF16)
-                        e3, h3 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (3 * DV + c * W) // G, VBITS,
-                                               BF16)
-                    vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3, VBITS, BF16,
-                                   True)
-                    for k in tl.static_range(NV):
-                        vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
-                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                     a5, a6, a7)
-                elif HALF:
-                    e0, h0 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (c * W) // G, VBITS, DT)
-                    if NV >= 2:
-                        e1, h1 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (DV + c * W) // G, VBITS, DT)
-                    else:
-                        e1, h1 = e0, h0
-                    if NV == 4:
-                        e2, h2 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (2 * DV + c * W) // G, VBITS, DT)
-                        e3, h3 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (3 * DV + c * W) // G, VBITS, DT)
-                    else:
-                        e2, h2, e3, h3 = e0, h0, e0, h0
-                    if VASM:
-                        vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3,
-                                       VBITS, BF16, True)
-                    for k in tl.static_range(NV):
-                        if VASM:
-                            vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
-                        else:
-                            e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
-                            vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT, BLOCK > 32, True)
-                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                     a5, a6, a7)
+                lo = t_full
+                hi = t1
+            for start in range(lo, hi, BLOCK):
+                page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
+                tp = start % P + offs_t  # token slots in the page
+                if phase == 0:
+                    tvalid = tl.full([BLOCK], 1, tl.int1)  # constant: selects and load masks fold away
                 else:
-                    for k in tl.static_range(NV):
-                        grp = (k * DV + c * W) // G
-                        vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
-                        vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
-                        vv = plane_plain(vw, k, vs, vz, VBITS, DT)
-                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                     a5, a6, a7)
+                    tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
+                kw = tl.load(kw_h + page * s_kcp + tp[:, None] * (DK // 4) + wk[None, :])
+                srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
+                zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
+                s = tl.zeros([BLOCK, GP], tl.float32)
+                if HALF:
+                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    if NK >= 2:
+                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    else:
+                        f10, f11, g10, g11 = f00, f01, g00, g01
+                    if NK == 4:
+                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD)
+                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    else:
+                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                    if KASM:
+                        kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
+                                       f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD)
+                    for k in tl.static_range(NK):
+                        if KASM:
+                            kk = plane(kp[2 * k], kp[2 * k + 1], DT)
+                        else:
+                            kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
+                                                _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT,
+                                                False, KODD)
+                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+                else:
+                    for k in tl.static_range(NK):
+                        ks = tl.reshape(tl.broadcast_to(tl.load(srow[:, None, None] + k * DK + kcols[None])[:, None],
+                                                        [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
+                        kz = tl.reshape(tl.broadcast_to(tl.load(zrow[:, None, None] + k * DK + kcols[None])[:, None],
+                                                        [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
+                        kk = plane_plain(kw, k, ks, kz, KBITS, DT)
+                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+                s = tl.where(tvalid[:, None], s, float("-inf"))
+                m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i, qk_scale)
+                pd = p.to(DT)
+                vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
+                svrow = page * s_vsp + tp * (D // G)
+                if VW32:  # a token's value scales (and zeros) as int32 words: groups 2j, 2j + 1 in word j
+                    row32 = (page * s_vsp) // 2 + tp * (D // G // 2)
+                    sw0, zw0 = _value_words(vs_h, vz_h, row32, tvalid, 0)
+                    sw1, zw1, sw2, zw2, sw3, zw3 = sw0, zw0, sw0, zw0, sw0, zw0
+                    if D // G >= 4:
+                        sw1, zw1 = _value_words(vs_h, vz_h, row32, tvalid, 1)
+                    if D // G >= 8:
+                        sw2, zw2 = _value_words(vs_h, vz_h, row32, tvalid, 2)
+                        sw3, zw3 = _value_words(vs_h, vz_h, row32, tvalid, 3)
+                for c in tl.static_range(NC):  # byte chunk c of the value rows: sub-tile c of every plane
+                    vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
+                    if VW32:
+                        e0, h0 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (c * W) // G, VBITS, BF16)
+                        e1, h1, e2, h2, e3, h3 = e0, h0, e0, h0, e0, h0
+                        if NV >= 2:
+                            e1, h1 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (DV + c * W) // G, VBITS, BF16)
+                        if NV == 4:
+                            e2, h2 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (2 * DV + c * W) // G, VBITS,
+                                                   BF16)
+                            e3, h3 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (3 * DV + c * W) // G, VBITS,
+                                                   BF16)
+                        vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3, VBITS, BF16,
+                                       True)
+                        for k in tl.static_range(NV):
+                            vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
+                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                         a5, a6, a7)
+                    elif HALF:
+                        e0, h0 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (c * W) // G, VBITS, DT)
+                        if NV >= 2:
+                            e1, h1 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (DV + c * W) // G, VBITS, DT)
+                        else:
+                            e1, h1 = e0, h0
+                        if NV == 4:
+                            e2, h2 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (2 * DV + c * W) // G, VBITS, DT)
+                            e3, h3 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (3 * DV + c * W) // G, VBITS, DT)
+                        else:
+                            e2, h2, e3, h3 = e0, h0, e0, h0
+                        if VASM:
+                            vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3,
+                                           VBITS, BF16, True)
+                        for k in tl.static_range(NV):
+                            if VASM:
+                                vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
+                            else:
+                                e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
+                                vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT, BLOCK > 32, True)
+                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                         a5, a6, a7)
+                    else:
+                        for k in tl.static_range(NV):
+                            grp = (k * DV + c * W) // G
+                            vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
+                            vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
+                            vv = plane_plain(vw, k, vs, vz, VBITS, DT)
+                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                         a5, a6, a7)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
