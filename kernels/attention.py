@@ -16,7 +16,11 @@ and one packed fma with folded scales, ~1.75 instructions per code); keys give o
 ``[G, D/planes]`` tile per bit plane, values one ``[G, W]`` tile per sub-tile of
 ``W = min(G, D/planes)`` channels (one value group, one accumulator each). Online
 softmax in the exp2 domain. Split ``s = NS`` handles the full-precision residual
-window (attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``. Each
+window (attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``.
+SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): value pairs (and key pairs for
+64-token groups) hold channels ``(4w + p, 4w + p + 2)`` ("ODD", one shift of the word instead of byte
+shuffles; accumulators and q rows in ``odd_order``); value scales read as int32 words; value tiles
+reach the MMA as 2-wide operands; whole steps run in an unmasked copy of the loop. Each
 program writes its partial ``(max, sum, acc)`` to an fp32 workspace
 ``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg``, default 128) for
 occupancy. ``_plain`` (no inline PTX) is for tests and ``eval/sweep_decode.py``.
