@@ -272,7 +272,7 @@ def _decode_split_kernel(
         q1 = _qrows(tl.load(q_col + (DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
         q2 = _qrows(tl.load(q_col + (2 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
         q3 = _qrows(tl.load(q_col + (3 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
-        t_full = t0 + (t1 - t0) // BLOCK * BLOCK
+        t_full = t0 + tl.maximum(t1 - t0, 0) // BLOCK * BLOCK  # t1 < t0 for splits past the end: no steps
         for phase in tl.static_range(2):  # whole steps, then at most one partial step (the only masked one)
             if phase == 0:
                 lo = t0
