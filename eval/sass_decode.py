@@ -5,7 +5,8 @@ inner loop inspected: instructions per step by opcode, registers, spills. This i
 kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending device time.
 
     python eval/sass_decode.py [KEY=VALUE ...]   e.g. KBITS=2 VBITS=2 GP=4 G=32 D=128
-    env: W (warps, default 1), S (stages, 3), R (maxnreg, default 0 = none; the kernel caps 32-token steps at 128)
+    env: W (warps, default 1), S (stages, 3), R (maxnreg, default 0 = none; the kernel caps 32-token steps at 128),
+         DUMP=prefix (write prefix.sass/.ptx/.ttgir)
     The last line printed is a JSON summary (used by tests/test_sass.py).
 """
 
@@ -74,7 +75,7 @@ def loops(sass):
 
 def main():
     const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
-                 VASM=True, BF16=False)
+                 VASM=True, BF16=False, VW32=True)
     const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
     k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", 3)),
                        int(os.environ.get("R", 0)))
@@ -84,6 +85,10 @@ def main():
         res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cub], capture_output=True,
                              text=True).stdout
         sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cub], capture_output=True, text=True).stdout
+    if os.environ.get("DUMP"):  # env DUMP=prefix: write prefix.sass, prefix.ptx, prefix.ttgir
+        for ext, key in (("sass", None), ("ptx", "ptx"), ("ttgir", "ttgir")):
+            with open(f"{os.environ['DUMP']}.{ext}", "w") as f:
+                f.write(sass if key is None else k.asm[key])
     print(const)
     print(" ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)))
     codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)

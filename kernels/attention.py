@@ -16,7 +16,11 @@ and one packed fma with folded scales, ~1.75 instructions per code); keys give o
 ``[G, D/planes]`` tile per bit plane, values one ``[G, W]`` tile per sub-tile of
 ``W = min(G, D/planes)`` channels (one value group, one accumulator each). Online
 softmax in the exp2 domain. Split ``s = NS`` handles the full-precision residual
-window (attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``. Each
+window (attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``.
+SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): value pairs (and key pairs for
+64-token groups) hold channels ``(4w + p, 4w + p + 2)`` ("ODD", one shift of the word instead of byte
+shuffles; accumulators and q rows in ``odd_order``); value scales read as int32 words; value tiles
+reach the MMA as 2-wide operands; whole steps run in an unmasked copy of the loop. Each
 program writes its partial ``(max, sum, acc)`` to an fp32 workspace
 ``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg``, default 128) for
 occupancy. ``_plain`` (no inline PTX) is for tests and ``eval/sweep_decode.py``.
@@ -46,18 +50,22 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
-from .unpack import fold_pairs_asm, fold_scale, pack2, pack_channel_pairs, pairs_asm, plane, plane_emulated, plane_plain
+from .unpack import (fold_pairs_asm, fold_scale, odd_order, odd_pairs_asm, pack2, pack_channel_pairs, pairs_asm, plane,
+                     plane_emulated, plane_plain, value_pair_asm)
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax(s, m_i, l_i):
-    """One online-softmax step over transposed scores ``s`` [N tokens, GP heads] (exp2 domain; masked
-    entries are -inf). Returns the new running max and sum, the accumulators' rescale factor, and p."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+def _online_softmax(s, m_i, l_i, qk_scale):
+    """One online-softmax step over transposed raw scores ``s`` [N tokens, GP heads] (masked entries are
+    -inf); ``qk_scale`` > 0 takes them to the exp2 domain, where the running max ``m_i`` lives. The scale
+    is applied to the column max (max commutes with it) and inside one fma per score, ``s * qk_scale -
+    m``, not by a separate multiply. Returns the new running max and sum, the accumulators' rescale
+    factor, and p."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
+    p = tl.exp2(s * qk_scale - m_new[None, :])
     return m_new, l_i * alpha + tl.sum(p, axis=0), alpha, p
 
 
@@ -116,6 +124,15 @@ def _pick4(i: tl.constexpr, x0, x1, x2, x3):
 
 
 @triton.jit
+def _qrows(q, ODD: tl.constexpr):
+    """q^T rows [DK, GP] in odd_order when ``ODD`` (the key planes' channel order with ODD pairs): row
+    4w + 2b + a holds channel 4w + 2a + b (a view: reshape and permute)."""
+    if ODD:
+        q = tl.reshape(tl.permute(tl.reshape(q, [q.shape[0] // 4, 2, 2, q.shape[1]]), (0, 2, 1, 3)), q.shape)
+    return q
+
+
+@triton.jit
 def _rows(x, G: tl.constexpr):
     """[GPS, W] per-group values -> [GPS * G, W], each group's row repeated for its G tokens."""
     return tl.reshape(tl.broadcast_to(x[:, None, :], [x.shape[0], G, x.shape[1]]), [x.shape[0] * G, x.shape[1]])
@@ -123,9 +140,10 @@ def _rows(x, G: tl.constexpr):
 
 @triton.jit
 def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ODD: tl.constexpr):
     """Folded, pair-packed key scales of plane k for the step's groups (``srow``/``zrow``: [GPS] row
-    pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token).
+    pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token);
+    with ``ODD`` pairs of channels (4w + p, 4w + p + 2), as ``pairs_asm(..., ODD=True)`` makes the codes.
     With ``ASM`` (GPU) the pairs are loaded as int32 (the pools viewed as int32) and folded by PTX in
     packed half2 arithmetic, with no repacking; else folded in Triton and packed."""
     if ASM:
@@ -135,11 +153,14 @@ def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.const
                                 BITS, BF16)
         s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
         z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
+        if ODD:
+            s0, s1 = odd_pairs_asm(s0, s1)
+            z0, z1 = odd_pairs_asm(z0, z1)
     else:
         sf, zf = fold_scale(tl.load(srow[:, None, None] + k * DK + kcols[None]),
                             tl.load(zrow[:, None, None] + k * DK + kcols[None]), BITS, DT)
-        s0, s1 = pack_channel_pairs(sf, DT)
-        z0, z1 = pack_channel_pairs(zf, DT)
+        s0, s1 = pack_channel_pairs(sf, DT, ODD)
+        z0, z1 = pack_channel_pairs(zf, DT, ODD)
     return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
 
 
@@ -149,6 +170,23 @@ def _value_pair(s_ptrs, z_ptrs, tvalid, grp, BITS: tl.constexpr, DT: tl.constexp
     sf, zf = fold_scale(tl.load(s_ptrs + grp, mask=tvalid, other=0.0), tl.load(z_ptrs + grp, mask=tvalid, other=0.0),
                         BITS, DT)
     return pack2(sf, sf)[:, None], pack2(zf, zf)[:, None]
+
+
+@triton.jit
+def _value_words(vs_h, vz_h, row32, tvalid, j: tl.constexpr):
+    """Word j (value groups 2j, 2j + 1) of each step token's scales and zeros: [BLOCK] int32 each."""
+    s = tl.load(vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + row32 + j, mask=tvalid, other=0)
+    z = tl.load(vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + row32 + j, mask=tvalid, other=0)
+    return s, z
+
+
+@triton.jit
+def _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, grp: tl.constexpr, BITS: tl.constexpr,
+                  BF16: tl.constexpr):
+    """``_value_pair`` from the words of ``_value_words`` (GPU): [G, 1] int32 (s, s) and folded (z', z')."""
+    s, z = value_pair_asm(_pick4(grp // 2, sw0, sw1, sw2, sw3), _pick4(grp // 2, zw0, zw1, zw2, zw3), grp % 2,
+                          BITS, BF16)
+    return s[:, None], z[:, None]
 
 
 @triton.jit
@@ -165,6 +203,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
+    VW32: tl.constexpr = False,
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -192,6 +231,9 @@ def _decode_split_kernel(
     W: tl.constexpr = G if G < DV else DV  # value sub-tile width: inside one group and one plane
     NW: tl.constexpr = D // W  # value sub-tiles (<= 8), one accumulator each
     NC: tl.constexpr = DV // W  # value sub-tiles per plane (byte chunks of a row)
+    # Key codes as ODD pairs (no byte shuffles; q's rows and the key scale pairs follow): the scale pairs
+    # then cost two prmt per pair, once per key group and lane, which pays off from 64-token groups.
+    KODD: tl.constexpr = HALF and G >= 64
     offs_g = tl.arange(0, GP)
     hq = h * GROUP + offs_g
     gmask = offs_g < GROUP
@@ -226,86 +268,125 @@ def _decode_split_kernel(
         wk = tl.arange(0, DK // 4)
         wv = tl.arange(0, W // 4)
         kcols = wk[:, None] * 4 + tl.arange(0, 4)[None, :]  # [DK/4, 4]: channel within a key plane
-        q0 = tl.load(q_col + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        q1 = tl.load(q_col + (DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        q2 = tl.load(q_col + (2 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        q3 = tl.load(q_col + (3 * DK % D) + tl.arange(0, DK)[:, None], mask=gmask[None, :], other=0.0).to(DT)
-        for start in range(t0, t1, BLOCK):
-            page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
-            tp = start % P + offs_t  # token slots in the page
-            tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
-            kw = tl.load(kw_h + page * s_kcp + tp[:, None] * (DK // 4) + wk[None, :])
-            srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
-            zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
-            s = tl.zeros([BLOCK, GP], tl.float32)
-            if HALF:
-                f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM)
-                if NK >= 2:
-                    f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM)
-                else:
-                    f10, f11, g10, g11 = f00, f01, g00, g01
-                if NK == 4:
-                    f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM)
-                    f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM)
-                else:
-                    f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
-                if KASM:
-                    kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
-                                   f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16)
-                for k in tl.static_range(NK):
-                    if KASM:
-                        kk = plane(kp[2 * k], kp[2 * k + 1], DT)
-                    else:
-                        kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
-                                            _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT)
-                    s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+        qc = tl.arange(0, DK)
+        q0 = _qrows(tl.load(q_col + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
+        q1 = _qrows(tl.load(q_col + (DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
+        q2 = _qrows(tl.load(q_col + (2 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
+        q3 = _qrows(tl.load(q_col + (3 * DK % D) + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
+        t_full = t0 + tl.maximum(t1 - t0, 0) // BLOCK * BLOCK  # t1 < t0 for splits past the end: no steps
+        for phase in tl.static_range(2):  # whole steps, then at most one partial step (the only masked one)
+            if phase == 0:
+                lo = t0
+                hi = t_full
             else:
-                for k in tl.static_range(NK):
-                    ks = tl.reshape(tl.broadcast_to(tl.load(srow[:, None, None] + k * DK + kcols[None])[:, None],
-                                                    [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
-                    kz = tl.reshape(tl.broadcast_to(tl.load(zrow[:, None, None] + k * DK + kcols[None])[:, None],
-                                                    [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
-                    kk = plane_plain(kw, k, ks, kz, KBITS, DT)
-                    s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
-            s = tl.where(tvalid[:, None], s * qk_scale, float("-inf"))
-            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
-            pd = p.to(DT)
-            vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
-            svrow = page * s_vsp + tp * (D // G)
-            for c in tl.static_range(NC):  # byte chunk c of the value rows: sub-tile c of every plane
-                vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
-                if HALF:
-                    e0, h0 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (c * W) // G, VBITS, DT)
-                    if NV >= 2:
-                        e1, h1 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (DV + c * W) // G, VBITS, DT)
-                    else:
-                        e1, h1 = e0, h0
-                    if NV == 4:
-                        e2, h2 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (2 * DV + c * W) // G, VBITS, DT)
-                        e3, h3 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (3 * DV + c * W) // G, VBITS, DT)
-                    else:
-                        e2, h2, e3, h3 = e0, h0, e0, h0
-                    if VASM:
-                        vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3,
-                                       VBITS, BF16)
-                    for k in tl.static_range(NV):
-                        if VASM:
-                            vv = plane(vp[2 * k], vp[2 * k + 1], DT)
-                        else:
-                            e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
-                            vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT)
-                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                     a5, a6, a7)
+                lo = t_full
+                hi = t1
+            for start in range(lo, hi, BLOCK):
+                page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
+                tp = start % P + offs_t  # token slots in the page
+                if phase == 0:
+                    tvalid = tl.full([BLOCK], 1, tl.int1)  # constant: selects and load masks fold away
                 else:
-                    for k in tl.static_range(NV):
-                        grp = (k * DV + c * W) // G
-                        vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
-                        vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
-                        vv = plane_plain(vw, k, vs, vz, VBITS, DT)
-                        pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                     a5, a6, a7)
+                    tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
+                kw = tl.load(kw_h + page * s_kcp + tp[:, None] * (DK // 4) + wk[None, :])
+                srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
+                zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
+                s = tl.zeros([BLOCK, GP], tl.float32)
+                if HALF:
+                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    if NK >= 2:
+                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    else:
+                        f10, f11, g10, g11 = f00, f01, g00, g01
+                    if NK == 4:
+                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD)
+                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    else:
+                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                    if KASM:
+                        kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
+                                       f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD)
+                    for k in tl.static_range(NK):
+                        if KASM:
+                            kk = plane(kp[2 * k], kp[2 * k + 1], DT)
+                        else:
+                            kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
+                                                _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT,
+                                                False, KODD)
+                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+                else:
+                    for k in tl.static_range(NK):
+                        ks = tl.reshape(tl.broadcast_to(tl.load(srow[:, None, None] + k * DK + kcols[None])[:, None],
+                                                        [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
+                        kz = tl.reshape(tl.broadcast_to(tl.load(zrow[:, None, None] + k * DK + kcols[None])[:, None],
+                                                        [BLOCK // G, G, DK // 4, 4]), [BLOCK, DK // 4, 4])
+                        kk = plane_plain(kw, k, ks, kz, KBITS, DT)
+                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+                s = tl.where(tvalid[:, None], s, float("-inf"))
+                m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i, qk_scale)
+                pd = p.to(DT)
+                vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
+                svrow = page * s_vsp + tp * (D // G)
+                if VW32:  # a token's value scales (and zeros) as int32 words: groups 2j, 2j + 1 in word j
+                    row32 = (page * s_vsp) // 2 + tp * (D // G // 2)
+                    sw0, zw0 = _value_words(vs_h, vz_h, row32, tvalid, 0)
+                    sw1, zw1, sw2, zw2, sw3, zw3 = sw0, zw0, sw0, zw0, sw0, zw0
+                    if D // G >= 4:
+                        sw1, zw1 = _value_words(vs_h, vz_h, row32, tvalid, 1)
+                    if D // G >= 8:
+                        sw2, zw2 = _value_words(vs_h, vz_h, row32, tvalid, 2)
+                        sw3, zw3 = _value_words(vs_h, vz_h, row32, tvalid, 3)
+                for c in tl.static_range(NC):  # byte chunk c of the value rows: sub-tile c of every plane
+                    vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
+                    if VW32:
+                        e0, h0 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (c * W) // G, VBITS, BF16)
+                        e1, h1, e2, h2, e3, h3 = e0, h0, e0, h0, e0, h0
+                        if NV >= 2:
+                            e1, h1 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (DV + c * W) // G, VBITS, BF16)
+                        if NV == 4:
+                            e2, h2 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (2 * DV + c * W) // G, VBITS,
+                                                   BF16)
+                            e3, h3 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (3 * DV + c * W) // G, VBITS,
+                                                   BF16)
+                        vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3, VBITS, BF16,
+                                       True)
+                        for k in tl.static_range(NV):
+                            vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
+                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                         a5, a6, a7)
+                    elif HALF:
+                        e0, h0 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (c * W) // G, VBITS, DT)
+                        if NV >= 2:
+                            e1, h1 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (DV + c * W) // G, VBITS, DT)
+                        else:
+                            e1, h1 = e0, h0
+                        if NV == 4:
+                            e2, h2 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (2 * DV + c * W) // G, VBITS, DT)
+                            e3, h3 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (3 * DV + c * W) // G, VBITS, DT)
+                        else:
+                            e2, h2, e3, h3 = e0, h0, e0, h0
+                        if VASM:
+                            vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3,
+                                           VBITS, BF16, True)
+                        for k in tl.static_range(NV):
+                            if VASM:
+                                vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
+                            else:
+                                e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
+                                vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT, BLOCK > 32, True)
+                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                         a5, a6, a7)
+                    else:
+                        for k in tl.static_range(NV):
+                            grp = (k * DV + c * W) // G
+                            vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
+                            vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
+                            vv = plane_plain(vw, k, vs, vz, VBITS, DT)
+                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
+                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
+                                                                         a5, a6, a7)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
@@ -316,9 +397,9 @@ def _decode_split_kernel(
             tok = start + tl.arange(0, BLOCK_R)
             tvalid = tok < rlen
             kk = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
-            s = tl.dot(kk.to(tl.float32).to(DT), q, input_precision=PREC) * qk_scale
+            s = tl.dot(kk.to(tl.float32).to(DT), q, input_precision=PREC)
             s = tl.where(tvalid[:, None], s, float("-inf"))
-            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i)
+            m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i, qk_scale)
             pd = p.to(DT)
             for gi in tl.static_range(NW):
                 cols = gi * W + offs_c
@@ -330,9 +411,12 @@ def _decode_split_kernel(
     ws = row * (NS + 1) + split
     tl.store(m_ws + ws, m_i, mask=gmask)
     tl.store(l_ws + ws, l_i, mask=gmask)
+    offs_o = offs_c
+    if HALF:  # the paged loop's value tiles hold their channels in odd_order (ODD pairs: no byte shuffles)
+        offs_o = tl.where(split < NS, odd_order(offs_c), offs_c)
     for gi in tl.static_range(NW):
         acc = _acc_get(gi, a0, a1, a2, a3, a4, a5, a6, a7)
-        tl.store(o_ws + ws[None, :] * D + (gi * W + offs_c)[:, None], acc, mask=gmask[None, :])
+        tl.store(o_ws + ws[None, :] * D + (gi * W + offs_o)[:, None], acc, mask=gmask[None, :])
 
 
 @triton.jit
@@ -366,6 +450,13 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
 def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
     """The inline-PTX unpack (GPU only) covers 2/4-bit codes with fp16/bf16 dots."""
     return not dot_f32 and not interpreting() and bits in (2, 4) and dtype in (torch.float16, torch.bfloat16)
+
+
+def _value_words_ok(d: int, group_size: int, v_scale, v_zero) -> bool:
+    """Value scales/zeros readable as int32 words per token (2 groups a word, at most 4 words)."""
+    n = d // group_size
+    return n % 2 == 0 and n <= 8 and all(x % 2 == 0 for t in (v_scale, v_zero)
+                                         for x in (t.stride(0), t.stride(1), t.storage_offset()))
 
 
 def _step_tokens(page_size: int, group_size: int, interp: bool) -> int:
@@ -457,6 +548,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     vw = v_codes.view(torch.int32)
     if kw.stride(2) != kw.shape[3] or vw.stride(2) != vw.shape[3] or v_scale.stride(2) != v_scale.shape[3]:
         raise ValueError("pool tensors must be contiguous within a page (token rows back to back)")
+    vasm = not _plain and _use_asm(q.dtype, value_bits, dot_f32)
     _decode_split_kernel[(bsz * hkv, ns + 1)](
         q, block_table, lengths,
         kw, k_scale, k_zero, vw, v_scale, v_zero,
@@ -473,7 +565,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
         KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
         KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
-        VASM=not _plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
+        VASM=vasm, BF16=q.dtype == torch.bfloat16, VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero),
         num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)),
         num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),
         **_maxnreg(interp, blk),

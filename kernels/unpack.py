@@ -13,16 +13,18 @@ register relabelling: join, permute, reshape).
 
 * ``pairs_asm`` (GPU, 2/4-bit codes): one PTX block per word. ``prmt`` spreads
   bytes ``2p, 2p+1`` into the low bytes of the two halves; per plane a shift and
-  one ``lop3`` put the code in the top mantissa bits of 1.0 (``v = 1 + c / 2**bits``,
-  exact) and one packed ``fma`` gives ``v * (2**bits s) + (z - 2**bits s) = c s + z``:
+  one ``lop3`` put the code in the top mantissa bits of ``2**bits`` (``v = 2**bits + c``,
+  exact) and one packed ``fma`` gives ``v * s + (z - 2**bits s) = c s + z``:
   1.75 instructions per code, no integer-to-float conversions. The extra rounding
-  of ``z - 2**bits s`` is at most 2**-11 (fp16) of ``|z| + 2**bits s``.
+  of ``z - 2**bits s`` is at most 2**-11 (fp16) of ``|z| + 2**bits s``. (Same
+  products and sums as with ``v = 1 + c / 2**bits`` and the scale ``2**bits s``,
+  bit for bit, without the multiply that made ``2**bits s``.)
 * ``pairs_emulated``: the same pairs from the same folded scales in plain Triton
   (fp32 math, then rounded): runs in the interpreter (CPU tests of everything but
   the PTX) and for 8-bit codes.
 
-Scales and zero points enter folded (:func:`fold_scale`) and packed as pairs
-(:func:`pack2`), the layout of the fma operands.
+Scales enter as they are, zero points folded to ``z - 2**bits s`` (:func:`fold_scale`), both
+packed as pairs (:func:`pack2`), the layout of the fma operands.
 """
 
 from __future__ import annotations
@@ -31,23 +33,29 @@ import triton
 import triton.language as tl
 
 
-def _asm(bits: int, bf16: bool) -> str:
+def _asm(bits: int, bf16: bool, odd: bool = False) -> str:
     """PTX for one word. Operands: outputs $(2k+p) for plane k, pair p; input word $n2 (n2 = 2 * planes);
-    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p)."""
+    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p). Pair p holds bytes (2p, 2p + 1)
+    (channels 4w + 2p, 4w + 2p + 1); with ``odd`` bytes (p, p + 2) instead (channels 4w + p, 4w + p + 2):
+    they already sit in the two halves of the word, so a shift of the whole word replaces the prmt."""
     n = 8 // bits
     n2 = 2 * n
     top = 7 if bf16 else 10  # mantissa bits
-    magic = "0x3F803F80" if bf16 else "0x3C003C00"  # 1.0 in both halves
+    one = (127 + bits) << 7 if bf16 else (15 + bits) << 10  # 2**bits: its ulp * 2**(top - bits) is 1
+    magic = f"0x{one | one << 16:08X}"  # 2**bits in both halves
     field = ((1 << bits) - 1) << (top - bits)
     mask = f"0x{field | field << 16:08X}"
     fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
-    lines = ["{", ".reg .b32 t0, t1, u;",
-             f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1
-             f"prmt.b32 t1, ${n2}, ${n2}, 0x3322;"]  # bytes 2, 3
+    if odd:
+        lines = ["{", ".reg .b32 u;"]
+    else:
+        lines = ["{", ".reg .b32 t0, t1, u;",
+                 f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1
+                 f"prmt.b32 t1, ${n2}, ${n2}, 0x3322;"]  # bytes 2, 3
     for k in range(n):
-        sh = top - bits - k * bits
         for p in range(2):
-            t = f"t{p}"
+            t = f"${n2}" if odd else f"t{p}"
+            sh = top - bits - k * bits - (8 * p if odd else 0)
             if sh > 0:
                 lines.append(f"shl.b32 u, {t}, {sh};")
             elif sh < 0:
@@ -61,12 +69,12 @@ def _asm(bits: int, bf16: bool) -> str:
 
 
 def _fold_asm(bits: int, bf16: bool) -> str:
-    """PTX folding a pair of scales and zero points (two packed halves each): $0 = 2**bits * s,
-    $1 = z - 2**bits * s (one rounding), from $2 = s, $3 = z."""
+    """PTX folding a pair of zero points (two packed halves): $0 = z - 2**bits * s (one rounding), from
+    $1 = s, $2 = z. The scale pair itself is the fma's multiplier as it is."""
     one = (127 + bits) << 7 if bf16 else (15 + bits) << 10
     t = "bf16x2" if bf16 else "f16x2"
-    return "\n".join(["{", ".reg .b32 c;", f"mov.b32 c, 0x{one | one << 16:08X};", f"mul.rn.{t} $0, $2, c;",
-                      f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};", f"fma.rn.{t} $1, $2, c, $3;", "}"])
+    return "\n".join(["{", ".reg .b32 c;", f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};",
+                      f"fma.rn.{t} $0, $1, c, $2;", "}"])
 
 
 def _constraints(bits: int) -> str:
@@ -74,10 +82,7 @@ def _constraints(bits: int) -> str:
     return ",".join(["=r"] * (2 * n) + ["r"] * (1 + 4 * n))
 
 
-ASM4_F16 = tl.constexpr(_asm(4, False))
-ASM4_BF16 = tl.constexpr(_asm(4, True))
-ASM2_F16 = tl.constexpr(_asm(2, False))
-ASM2_BF16 = tl.constexpr(_asm(2, True))
+PAIRS = tl.constexpr({(b, f, o): _asm(b, f, o) for b in (2, 4) for f in (False, True) for o in (False, True)})
 CON4 = tl.constexpr(_constraints(4))
 FOLD4_F16 = tl.constexpr(_fold_asm(4, False))
 FOLD4_BF16 = tl.constexpr(_fold_asm(4, True))
@@ -88,21 +93,42 @@ CON2 = tl.constexpr(_constraints(2))
 
 @triton.jit
 def fold_scale(s, z, BITS: tl.constexpr, DT: tl.constexpr):
-    """(2**bits * s, z - 2**bits * s) in DT (fp16/bf16): the fma operands of ``pairs_asm``. Computed in DT
+    """(s, z - 2**bits * s) in DT (fp16/bf16): the fma operands of ``pairs_asm``. Computed in DT
     (packed half2 math on the GPU): the product is exact, the difference rounded once, as in fp32."""
-    sf = s.to(DT) * (1 << BITS)
-    return sf, z.to(DT) - sf
+    sd = s.to(DT)
+    return sd, z.to(DT) - sd * (1 << BITS)
 
 
 @triton.jit
 def fold_pairs_asm(s, z, BITS: tl.constexpr, BF16: tl.constexpr):
     """``fold_scale`` on int32 tiles that hold (scale, scale) and (zero, zero) pairs of adjacent channels,
-    as loaded from the fp16/bf16 pools viewed as int32: two packed instructions per pair (GPU only)."""
+    as loaded from the fp16/bf16 pools viewed as int32: one packed fma per pair (GPU only)."""
     if BITS == 4:
         ASM: tl.constexpr = FOLD4_BF16 if BF16 else FOLD4_F16
     else:
         ASM: tl.constexpr = FOLD2_BF16 if BF16 else FOLD2_F16
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r,r", [s, z], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    return s, tl.inline_asm_elementwise(ASM, "=r,r,r", [s, z], dtype=tl.int32, is_pure=True, pack=1)
+
+
+def _vpair_asm(hi: int, bits: int, bf16: bool) -> str:
+    """PTX: from $2 = word of scales, $3 = word of zeros (two groups each), half ``hi``: $0 = (s, s),
+    $1 = (z - 2**bits s) twice (one rounding, as ``fold_scale``)."""
+    one = (127 + bits) << 7 if bf16 else (15 + bits) << 10
+    t = "bf16x2" if bf16 else "f16x2"
+    sel = "0x3232" if hi else "0x1010"
+    return "\n".join(["{", ".reg .b32 c, z;", f"prmt.b32 $0, $2, $2, {sel};", f"prmt.b32 z, $3, $3, {sel};",
+                      f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};", f"fma.rn.{t} $1, $0, c, z;", "}"])
+
+
+VPAIR = tl.constexpr({(h, b, f): _vpair_asm(h, b, f) for h in (0, 1) for b in (2, 4) for f in (False, True)})
+
+
+@triton.jit
+def value_pair_asm(sw, zw, HI: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr):
+    """Per token: the (scale, scale) pair and folded (zero, zero) pair of the value group in half ``HI`` of
+    the int32 words ``sw``/``zw`` (two prmt and one packed fma; GPU only)."""
+    return tl.inline_asm_elementwise(VPAIR[(HI, BITS, BF16)], "=r,=r,r,r", [sw, zw], dtype=(tl.int32, tl.int32),
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -114,12 +140,26 @@ def pack2(lo, hi):
 
 
 @triton.jit
-def pack_channel_pairs(x, DT: tl.constexpr):
+def pack_channel_pairs(x, DT: tl.constexpr, ODD: tl.constexpr = False):
     """x [R, W, 4] (channel 4w + b) -> (pair 0, pair 1), each [R, W] int32 holding channels (4w, 4w+1) and
-    (4w+2, 4w+3)."""
+    (4w+2, 4w+3); with ``ODD`` (4w, 4w+2) and (4w+1, 4w+3)."""
     even, odd = tl.split(tl.reshape(x.to(DT), [x.shape[0], x.shape[1], 2, 2]))
+    if ODD:
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        return pack2(e0, e1), pack2(o0, o1)
     p0, p1 = tl.split(pack2(even, odd))
     return p0, p1
+
+
+ODD_PAIRS = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;")
+
+
+@triton.jit
+def odd_pairs_asm(a, b):
+    """Pairs of channels (4w, 4w+1), (4w+2, 4w+3) -> ODD pairs (4w, 4w+2), (4w+1, 4w+3): two prmt (GPU)."""
+    return tl.inline_asm_elementwise(ODD_PAIRS, "=r,=r,r,r", [a, b], dtype=(tl.int32, tl.int32), is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -131,47 +171,74 @@ def unpack_half(x, DT: tl.constexpr):
 
 
 @triton.jit
-def plane(p0, p1, DT: tl.constexpr):
-    """Pairs 0 and 1 of a plane, [N, W] int32 each -> [N, 4W] DT in natural channel order."""
+def _opaque(x):
+    """Identity on packed halves (a register move ptxas removes; GPU only) that Triton's operand-width
+    analysis (``computeOrigBitWidth``) does not look through: past a ``tl.join`` it would otherwise
+    pick 4-element-wide MMA operands (kWidth 4)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
+def plane(p0, p1, DT: tl.constexpr, CUT: tl.constexpr = False, ASM: tl.constexpr = True):
+    """Pairs 0 and 1 of a plane, [N, W] int32 each -> [N, 4W] DT in natural channel order. ``CUT``:
+    MMA operands built from it get the plain 2-wide layout (kWidth 2; the identity asm only with ``ASM``,
+    on the GPU): used for value tiles, which go through shared memory (transposed by ``ldmatrix``)
+    anyway and with kWidth 4 come out of it split across MMAs (one register move per fragment register)."""
     a0, a1 = unpack_half(p0, DT)
     a2, a3 = unpack_half(p1, DT)
-    x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [N, W, half, pair]
-    x = tl.permute(x, (0, 1, 3, 2))  # [N, W, pair, half]: channel 4w + 2 * pair + half
+    if CUT:  # [N, W, pair, half]: the two halves of a pair in one register, as the unpack made them
+        x = tl.join(tl.join(a0, a2), tl.join(a1, a3))
+        if ASM:
+            x = _opaque(x)
+    else:
+        x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [N, W, half, pair]
+        x = tl.permute(x, (0, 1, 3, 2))  # [N, W, pair, half]: channel 4w + 2 * pair + half
     return tl.reshape(x, [p0.shape[0], 4 * p0.shape[1]])
 
 
 @triton.jit
 def pairs_asm(words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7, z7,
-              BITS: tl.constexpr, BF16: tl.constexpr):
+              BITS: tl.constexpr, BF16: tl.constexpr, ODD: tl.constexpr = False):
     """words [N, W] int32; (s2k+p, z2k+p): packed folded scales of plane k, pair p (broadcastable to
-    words; planes beyond 8 // BITS are ignored). Returns 2 * (8 // BITS) int32 tiles, plane-major."""
+    words; planes beyond 8 // BITS are ignored). Returns 2 * (8 // BITS) int32 tiles, plane-major.
+    ``ODD``: pair p holds channels (4w + p, 4w + p + 2) (see ``_asm``)."""
     if BITS == 4:
-        ASM: tl.constexpr = ASM4_BF16 if BF16 else ASM4_F16
-        return tl.inline_asm_elementwise(ASM, CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
+        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
                                          dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     else:
-        ASM: tl.constexpr = ASM2_BF16 if BF16 else ASM2_F16
-        return tl.inline_asm_elementwise(ASM, CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6,
+        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6,
                                                      s7, z7], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
-def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.constexpr, DT: tl.constexpr):
-    """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = v * sf + zf."""
+def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.constexpr, DT: tl.constexpr,
+                  ODD: tl.constexpr = False):
+    """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = (2**bits + c) * s + zf."""
     s_lo, s_hi = unpack_half(sp, DT)
     z_lo, z_hi = unpack_half(zp, DT)
-    c_lo = (words >> (16 * p + k * BITS)) & ((1 << BITS) - 1)
-    c_hi = (words >> (16 * p + 8 + k * BITS)) & ((1 << BITS) - 1)
-    inv = 1.0 / (1 << BITS)
-    v_lo = (1.0 + c_lo.to(tl.float32) * inv) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
-    v_hi = (1.0 + c_hi.to(tl.float32) * inv) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
+    lo: tl.constexpr = 8 * p if ODD else 16 * p  # bit offset of the low half's byte
+    hi: tl.constexpr = 8 * p + 16 if ODD else 16 * p + 8
+    c_lo = (words >> (lo + k * BITS)) & ((1 << BITS) - 1)
+    c_hi = (words >> (hi + k * BITS)) & ((1 << BITS) - 1)
+    v_lo = (c_lo + (1 << BITS)).to(tl.float32) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
+    v_hi = (c_hi + (1 << BITS)).to(tl.float32) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
     return pack2(v_lo.to(DT), v_hi.to(DT))
 
 
 @triton.jit
-def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr):
-    """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``)."""
-    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT), pair_emulated(words, k, 1, s1, z1, BITS, DT), DT)
+def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr,
+                   CUT: tl.constexpr = False, ODD: tl.constexpr = False):
+    """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``; ``CUT`` as for
+    :func:`plane`, without the asm; ``ODD`` as for ``pairs_asm``: channels in order ``odd_order``)."""
+    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT, ODD), pair_emulated(words, k, 1, s1, z1, BITS, DT, ODD),
+                 DT, CUT, False)
+
+
+@triton.jit
+def odd_order(c):
+    """Channel held at position ``c`` of a plane assembled from ``ODD`` pairs: bits 0 and 1 of c swapped
+    (4w + 2p + h holds channel 4w + p + 2h)."""
+    return (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
 
 
 @triton.jit

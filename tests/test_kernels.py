@@ -308,3 +308,10 @@ def test_decode_half_precision_dot_path(kb, vb, g):
     come from inline PTX, here from its plain-Triton emulation) on any device."""
     args = decode_case(2, 2, 4, 64, 128, g, kb, vb, torch.float16, [96, 192], [5, 17])
     run_decode(args, f"decode half-dot {kb}/{vb}", _force_half_dot=True)
+
+
+@pytest.mark.parametrize("splits", [3, 6])
+def test_decode_half_dot_splits_past_the_end(splits):
+    """64-token steps (unmasked loop + partial-step loop) with splits that start past a sequence's end."""
+    args = decode_case(2, 2, 4, 64, 128, 32, 4, 4, torch.float16, [96, 200], [5, 0])
+    run_decode(args, f"decode half-dot splits{splits}", num_splits=splits, _force_half_dot=True)

@@ -27,9 +27,9 @@ def sass(*consts, maxnreg=0):
 
 
 @pytest.mark.parametrize("consts,budget", [
-    ((), 4.0),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16
-    (("KBITS=4", "VBITS=2", "G=64"), 4.0),  # Int2PagedCache shape
-    (("KBITS=2", "VBITS=2", "BF16=1"), 4.0),  # 2/2 bits, bf16 PTX
+    ((), 3.0),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16 (2.85 on Triton 3.6)
+    (("KBITS=4", "VBITS=2", "G=64"), 2.75),  # Int2PagedCache shape (2.57)
+    (("KBITS=2", "VBITS=2", "BF16=1"), 2.85),  # 2/2 bits, bf16 PTX (2.68)
 ])
 def test_decode_kernel_builds_for_sm90(consts, budget):
     r = sass(*consts)
@@ -41,11 +41,11 @@ def test_decode_kernel_builds_for_sm90(consts, budget):
 
 def test_decode_kernel_32_token_steps_fit_128_registers():
     """32-token steps (pages not a multiple of 64) run under a 128-register cap. Triton 3.6 (the GPU
-    image, where it was measured) spills 5 instructions in the loop; newer Triton allocates differently
+    image, where it was measured) spilled 5 instructions in the loop (4 since kernel-sass, 3.62 per code); newer Triton allocates differently
     (3.9: 35), so there only a loose bound guards against a blow-up."""
     import triton
 
     r = sass("BLOCK=32", maxnreg=128)
     print(triton.__version__, r)
     strict = triton.__version__.startswith("3.6")
-    assert r["spills"] <= (8 if strict else 64) and r["per_code"] < (4.5 if strict else 5.0)
+    assert r["spills"] <= (8 if strict else 64) and r["per_code"] < (3.9 if strict else 5.0)
