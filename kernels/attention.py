@@ -475,7 +475,8 @@ def _maxnreg(interp: bool, step: int) -> dict:
 def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
-    target = num_sms(device) * 8  # programs to keep every SM busy with several resident blocks
+    # programs to keep every SM busy with several resident blocks (KIVI_DECODE_FILL: programs per SM)
+    target = num_sms(device) * int(os.environ.get("KIVI_DECODE_FILL", 8))
     by_fill = triton.cdiv(target, max(1, bsz * hkv))
     by_len = triton.cdiv(width_tokens, 512)  # at least ~512 tokens of work per split
     return max(1, min(by_fill, by_len, 1024))

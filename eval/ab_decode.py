@@ -1,0 +1,115 @@
+"""A/B timing of decode-kernel implementations in one process (GPU).
+
+Each implementation is a copy of the ``kernels`` package: ``--impl name=path/to/package_dir`` (the
+current ``kivi_cache.kernels`` is always ``cur``). Variants of ``cur`` run with environment settings
+(``--env name:KEY=VAL,KEY=VAL``). For every shape and bit setting: fp16 SDPA (baseline, separate K and V
+tensors), then every implementation/variant, in ``--rounds`` alternating rounds (medians of do_bench
+medians); outputs are compared with ``cur`` (relative max error printed). Usage:
+    python eval/ab_decode.py --impl main=eval/ab/kmain --env s32:KIVI_DECODE_STEP=32 --out ab.json
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton
+
+from kivi_cache import kernels as cur
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--impl", action="append", default=[], help="name=package_dir")
+ap.add_argument("--env", action="append", default=[], help="name:KEY=VAL[,KEY=VAL] variant of cur")
+ap.add_argument("--shapes", default="8x8x32768,32x8x32768,8x32x32768,1x8x131072,8x8x131072")
+ap.add_argument("--bits", default="4/4/32,2/2/32,4/2/64")
+ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--out", default=None)
+args = ap.parse_args()
+
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+impls = [("cur", cur, {})]
+for spec_ in args.impl:
+    n, p = spec_.split("=", 1)
+    impls.append((n, load("ab_" + n, p), {}))
+for spec_ in args.env:
+    n, kv = spec_.split(":", 1)
+    impls.append((n, cur, dict(x.split("=", 1) for x in kv.split(","))))
+
+dev, hq, d, page, res = "cuda", 32, 128, 64, 128
+rows = []
+for shape in args.shapes.split(","):
+    b, hkv, ctx = map(int, shape.split("x"))
+    q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
+    kf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
+    vf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
+    sdpa = []
+    for _ in range(args.rounds):
+        sdpa.append(triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, kf, vf, enable_gqa=True), warmup=25, rep=200, return_mode="median"))
+    t_sdpa = statistics.median(sdpa)
+    del kf, vf
+    for bits in args.bits.split(","):
+        kb, vb, g = map(int, bits.split("/"))
+        t_q = ctx - res
+        npg = -(-t_q // page)
+        np_ = b * npg
+        gen = torch.Generator(device=dev).manual_seed(0)
+        kc = torch.randint(0, 255, (np_, hkv, page, d * kb // 8), device=dev, dtype=torch.uint8, generator=gen)
+        ks = torch.rand(np_, hkv, page // g, d, device=dev, dtype=torch.float16, generator=gen) * 0.02
+        kz = torch.rand(np_, hkv, page // g, d, device=dev, dtype=torch.float16, generator=gen) - 0.5
+        vc = torch.randint(0, 255, (np_, hkv, page, d * vb // 8), device=dev, dtype=torch.uint8, generator=gen)
+        vs = torch.rand(np_, hkv, page, d // g, device=dev, dtype=torch.float16, generator=gen) * 0.02
+        vz = torch.rand(np_, hkv, page, d // g, device=dev, dtype=torch.float16, generator=gen) - 0.5
+        bt = torch.randperm(np_, device=dev, dtype=torch.int32, generator=gen).reshape(b, npg)
+        lens = torch.full((b,), t_q, device=dev, dtype=torch.int32)
+        rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16, generator=gen)
+        rv = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16, generator=gen)
+        rl = torch.full((b,), res, device=dev, dtype=torch.int32)
+        nbytes = sum(t.numel() * t.element_size() for t in (kc, ks, kz, vc, vs, vz)) + 2 * b * hkv * res * d * 2
+        times = {n: [] for n, _, _ in impls}
+        outs = {}
+        for _ in range(args.rounds):
+            for n, mod, env in impls:
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    f = lambda: mod.paged_decode_attention(  # noqa: E731
+                        q[:, :, 0], bt, lens, kc, ks, kz, vc, vs, vz, rk, rv, rl, kb, vb, g, 0.088)
+                    outs[n] = f().float()
+                    times[n].append(triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median"))
+                except Exception as e:  # noqa: BLE001
+                    print(f"{shape} k{kb}v{vb}g{g} {n}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+        ref = outs.get("cur")
+        for n, _, env in impls:
+            if not times[n]:
+                continue
+            t = statistics.median(times[n])
+            err = float((outs[n] - ref).abs().max() / ref.abs().max()) if ref is not None else float("nan")
+            r = dict(impl=n, env=env, batch=b, kv_heads=hkv, context=ctx, key_bits=kb, value_bits=vb, group=g,
+                     ms=t, ms_rounds=times[n], sdpa_ms=t_sdpa, tbps=nbytes / t / 1e9, speedup=t_sdpa / t,
+                     rel_err_vs_cur=err, bytes=nbytes)
+            rows.append(r)
+            print(f"{shape:>12} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
+                  f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}", flush=True)
+        del kc, ks, kz, vc, vs, vz
+if args.out:
+    json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   rows=rows), open(args.out, "w"), indent=1)
