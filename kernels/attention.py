@@ -473,12 +473,15 @@ def _maxnreg(interp: bool, step: int) -> dict:
 
 
 def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
+    """Context splits per (sequence, KV head). The grid has ``bsz * hkv * (splits + 1)`` one-warp programs
+    (the last split of each is the residual window); aim at ``KIVI_DECODE_FILL`` programs per SM in all,
+    counted with that residual program so the last wave is not a small one, and at least
+    ``KIVI_DECODE_SPLIT_MIN`` (512) tokens per split."""
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
-    # programs to keep every SM busy with several resident blocks (KIVI_DECODE_FILL: programs per SM)
-    target = num_sms(device) * int(os.environ.get("KIVI_DECODE_FILL", 8))
-    by_fill = triton.cdiv(target, max(1, bsz * hkv))
-    by_len = triton.cdiv(width_tokens, 512)  # at least ~512 tokens of work per split
+    target = num_sms(device) * int(os.environ.get("KIVI_DECODE_FILL", 16))
+    by_fill = max(1, target // max(1, bsz * hkv) - 1)
+    by_len = triton.cdiv(width_tokens, int(os.environ.get("KIVI_DECODE_SPLIT_MIN", 512)))
     return max(1, min(by_fill, by_len, 1024))
 
 
