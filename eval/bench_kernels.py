@@ -240,6 +240,18 @@ def main():
     log(f"device-to-device copy bandwidth: {bw / 1e12:.3f} TB/s (bytes read + written)")
 
     rows = []
+
+    def save(complete: bool, **extra):  # after every row too: a run cut short keeps what it measured
+        result = dict(machine=machine, torch=torch.__version__, triton=triton.__version__, quick=quick,
+                      timing="cuda graph replay" if args.graph else "eager launches (do_bench)",
+                      interpreter=os.environ.get("TRITON_INTERPRET") == "1", complete=complete,
+                      copy_bandwidth_TBps=bw / 1e12, rows=rows,
+                      bytes_note="int: codes + scales/zeros (fp16) + fp16 residual K/V + q/out + block table; "
+                                 "fp16: K + V + q/out", **extra)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     for b in batches:
         for hkv in kv_heads:
             for ctx in contexts:
@@ -252,6 +264,7 @@ def main():
                     row["skipped"] = f"fp16 KV cache would need {fp16_bytes / GB:.1f} GB > {mem_limit / GB:.0f} GB"
                     log(f"skip B={b} KV={hkv} ctx={ctx}: {row['skipped']}")
                     rows.append(row)
+                    save(False)
                     continue
                 try:
                     bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_bytes, device, gen,
@@ -262,6 +275,7 @@ def main():
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 rows.append(row)
+                save(False)
 
     # page-size sweep on one mid-size config (int4)
     sweep = []
@@ -299,15 +313,7 @@ def main():
     max_err = max([r.get(k, 0.0) for r in rows for k in ("int4_rel_err", "int2_rel_err", "int2_k4v2g64_rel_err")] + [s["rel_err"] for s in sweep])
     log(f"max relative error vs reference over verified slices: {max_err:.2e}")
 
-    result = dict(machine=machine, torch=torch.__version__, triton=triton.__version__, quick=quick,
-                  timing="cuda graph replay" if args.graph else "eager launches (do_bench)",
-                  interpreter=os.environ.get("TRITON_INTERPRET") == "1",
-                  copy_bandwidth_TBps=bw / 1e12, rows=rows, page_size_sweep=sweep, max_rel_err=max_err,
-                  bytes_note="int: codes + scales/zeros (fp16) + fp16 residual K/V + q/out + block table; "
-                             "fp16: K + V + q/out")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save(True, page_size_sweep=sweep, max_rel_err=max_err)
     log(f"saved {args.out}")
     if not args.no_plot:
         try:
