@@ -4,6 +4,9 @@ Usage (one H200, default run: every model x cache x case, JSON + table + 2 PNGs)
 
     python eval/bench_generate.py [--out eval/results/bench_generate.json]
     python eval/bench_generate.py --resume          # a second run fills rows the first had to skip
+    python eval/bench_generate.py --resume --resume-from other.json     # also continue rows recorded there
+    python eval/bench_generate.py --models llama3-8b --cases maxbatch --batch-prompts 4096 --caches kivi-int2 \\
+        --maxbatch-at kivi-int2:4096:417                                # throughput at batch 417, no search
     python eval/bench_generate.py --profile --profile-only --models llama3-8b   # kernel table only
     python eval/bench_generate.py --quick           # tiny random model, CPU-capable, < 1 minute
 
@@ -35,6 +38,12 @@ Cases, each a row per (model, cache):
   step from there (from batch 1 with ``--no-predict``) until a trial runs out of memory,
   then bisects until the bracket is within ``--batch-tol`` (4 %). Trials generate
   ``--trial-new`` (16) tokens. At the batch found it generates ``--batch-new`` (64) tokens.
+  Every trial is logged in the row's ``search`` (batch, fit or OOM, peak, time, step timer; an OOM
+  also ``t_fail``, its time to the failure), and the row so far is written to the JSON after each
+  trial (``skip_reason: "interrupted"`` until the row is finished), so a command killed mid-search
+  loses no trial. ``--maxbatch-at [MODEL:]CACHE:PROMPT:BATCH`` (repeatable): no search for that row,
+  only the measurement at BATCH (``batch_given: true``; after a warm-up generate at the probe batch
+  with 2 new tokens; ``decode_step_ms_tN`` is None unless a trial at BATCH is recorded).
 
 Timing. Every configuration is warmed up first (one generate: 40 new tokens at prompts up
 to 4k, 8 at longer prompts; triton compiles, cuBLAS and the allocator settle), then the
@@ -64,12 +73,24 @@ to run, batch-1 rows come first, and work whose estimated cost does not fit is n
 its row gets ``status: "skipped"``, ``skip_reason: "time budget"`` (a search cut short
 reports its best fitting batch with ``search_stopped_early``; a repeat that does not fit is
 dropped, noted in the row). The same command again with ``--resume`` keeps the JSON's
-finished rows and runs only the others (a second run of ~8-9 minutes: ~1 minute of builds,
-then max-batch rows). So: first run ~8.5 minutes (batch-1 rows + a few max-batch rows),
-second run ``--resume`` ~8.5 minutes (the remaining max-batch rows; a third ``--resume``
-if any are still skipped).
+finished rows (``ok``/``error``) and runs only the others (a second run of ~8-9 minutes: ~1 minute
+of builds, then max-batch rows); unfinished rows that this run does not cover stay in the JSON as
+they were. An unfinished max-batch row with a ``search`` log is continued, not restarted: its fits
+and OOMs at the same ``--trial-new`` become the search's trials (probes included, so the memory
+and time models are the recorded ones; nothing recorded is run again, nor a batch that a
+recorded fit or OOM decides, fitting being monotone in the batch), the predicted maximum is the
+line through the smallest and the largest recorded fits (``predicted_from``), the search goes on
+from the first batch without an answer, then the measurement. The row records ``resumed``
+(source file, its start time, ``reused_trials``/``reused_fits``/``reused_ooms``) and its reused
+``search`` entries carry ``reused: true``. Trials recorded under other settings (prefill tokens,
+budget, allocator, quanto group/residual, device kind) are not reused (``resume_note`` says why).
+``--resume-from FILE`` (repeatable, implies ``--resume``) reads rows from other result files too;
+per row the finished one wins, else the longest search log, else the ``--out`` file's. So: first
+run ~8.5 minutes (batch-1 rows + a few max-batch rows), second run ``--resume`` ~8.5 minutes (the
+remaining max-batch rows; a third ``--resume`` if any are still skipped: it loses only the ~40 s
+of start-up, builds and warm-ups, since the searches continue).
 Failures of one configuration (OOM, errors) are recorded in its row and the run goes on.
-The JSON is rewritten after every row.
+The JSON is rewritten after every row (and after every max-batch trial).
 
 ``--profile``: torch.profiler over ``--profile-steps`` decode steps of kivi-int4 at batch 1
 (prompt ``--prompt``; the prefill is not recorded), the top CUDA kernels by time printed
@@ -986,6 +1007,8 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
         return dict(row, status="skipped", skip_reason="time budget",
                     error=f"time budget: measurement at batch {lo} (~{est or 0:.0f} s) did not fit (use --resume)")
     res, err = attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True, chunked=True))
+    if err and given is not None and err["oom"]:  # not a finished row: a later --resume can still search
+        return dict(row, **err, status="skipped", skip_reason="given batch OOM")
     if err:
         return dict(row, **err, status="error")
     row.update(t_N_s=[res["t"]], t_trial_s=None if not tr else tr["t"], step_timer_s=res.get("step_timer"),
@@ -1371,6 +1394,10 @@ def main(argv=None):
         runner.memory_lines = list(old.get("memory_arithmetic", []))
         runner.result["resumed_from"] = old.get("meta", {}).get("started")
         runner.result["resumed_files"] = sources
+        for k in ("models", "caches", "cases", "batch_prompts", "ctx_prompts"):  # the table and plots cover the
+            # kept rows too (new lists: args keeps this run's)
+            prev = old.get("settings", {}).get(k) or []
+            runner.result["settings"][k] = list(dict.fromkeys(list(prev) + list(getattr(args, k))))
         searches = sum(1 for r in runner.pending.values() if r.get("search"))
         log(f"resume: keeping {len(runner.kept)} finished rows of {', '.join(sources)}; {len(runner.pending)} "
             f"unfinished rows are run again if requested ({searches} max-batch searches to continue)")

@@ -261,6 +261,8 @@ def test_max_batch_search_resumes_from_recorded_trials(monkeypatch, tmp_path):
     assert row["status"] == "ok" and row["batch"] == 300 and row["batch_given"] and not row["search"], row
     assert calls == [(64, 2), (300, 64)], calls
     assert row["decode_step_ms_tN"] is None and row["decode_tok_s"] > 0
+    row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget, given=true_max + 5)
+    assert row["status"] == "skipped" and row["skip_reason"] == "given batch OOM" and row["oom"], row
 
     # trials recorded under other settings are not reused
     runner.pending["k"] = dict(search=recorded, budget_bytes=budget)
