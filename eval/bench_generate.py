@@ -4,6 +4,9 @@ Usage (one H200, default run: every model x cache x case, JSON + table + 2 PNGs)
 
     python eval/bench_generate.py [--out eval/results/bench_generate.json]
     python eval/bench_generate.py --resume          # a second run fills rows the first had to skip
+    python eval/bench_generate.py --resume --resume-from other.json     # also continue rows recorded there
+    python eval/bench_generate.py --models llama3-8b --cases maxbatch --batch-prompts 4096 --caches kivi-int2 \\
+        --maxbatch-at kivi-int2:4096:417                                # throughput at batch 417, no search
     python eval/bench_generate.py --profile --profile-only --models llama3-8b   # kernel table only
     python eval/bench_generate.py --quick           # tiny random model, CPU-capable, < 1 minute
 
@@ -35,6 +38,12 @@ Cases, each a row per (model, cache):
   step from there (from batch 1 with ``--no-predict``) until a trial runs out of memory,
   then bisects until the bracket is within ``--batch-tol`` (4 %). Trials generate
   ``--trial-new`` (16) tokens. At the batch found it generates ``--batch-new`` (64) tokens.
+  Every trial is logged in the row's ``search`` (batch, fit or OOM, peak, time, step timer; an OOM
+  also ``t_fail``, its time to the failure), and the row so far is written to the JSON after each
+  trial (``skip_reason: "interrupted"`` until the row is finished), so a command killed mid-search
+  loses no trial. ``--maxbatch-at [MODEL:]CACHE:PROMPT:BATCH`` (repeatable): no search for that row,
+  only the measurement at BATCH (``batch_given: true``; after a warm-up generate at the probe batch
+  with 2 new tokens; ``decode_step_ms_tN`` is None unless a trial at BATCH is recorded).
 
 Timing. Every configuration is warmed up first (one generate: 40 new tokens at prompts up
 to 4k, 8 at longer prompts; triton compiles, cuBLAS and the allocator settle), then the
@@ -64,12 +73,24 @@ to run, batch-1 rows come first, and work whose estimated cost does not fit is n
 its row gets ``status: "skipped"``, ``skip_reason: "time budget"`` (a search cut short
 reports its best fitting batch with ``search_stopped_early``; a repeat that does not fit is
 dropped, noted in the row). The same command again with ``--resume`` keeps the JSON's
-finished rows and runs only the others (a second run of ~8-9 minutes: ~1 minute of builds,
-then max-batch rows). So: first run ~8.5 minutes (batch-1 rows + a few max-batch rows),
-second run ``--resume`` ~8.5 minutes (the remaining max-batch rows; a third ``--resume``
-if any are still skipped).
+finished rows (``ok``/``error``) and runs only the others (a second run of ~8-9 minutes: ~1 minute
+of builds, then max-batch rows); unfinished rows that this run does not cover stay in the JSON as
+they were. An unfinished max-batch row with a ``search`` log is continued, not restarted: its fits
+and OOMs at the same ``--trial-new`` become the search's trials (probes included, so the memory
+and time models are the recorded ones; nothing recorded is run again, nor a batch that a
+recorded fit or OOM decides, fitting being monotone in the batch), the predicted maximum is the
+line through the smallest and the largest recorded fits (``predicted_from``), the search goes on
+from the first batch without an answer, then the measurement. The row records ``resumed``
+(source file, its start time, ``reused_trials``/``reused_fits``/``reused_ooms``) and its reused
+``search`` entries carry ``reused: true``. Trials recorded under other settings (prefill tokens,
+budget, allocator, quanto group/residual, device kind) are not reused (``resume_note`` says why).
+``--resume-from FILE`` (repeatable, implies ``--resume``) reads rows from other result files too;
+per row the finished one wins, else the longest search log, else the ``--out`` file's. So: first
+run ~8.5 minutes (batch-1 rows + a few max-batch rows), second run ``--resume`` ~8.5 minutes (the
+remaining max-batch rows; a third ``--resume`` if any are still skipped: it loses only the ~40 s
+of start-up, builds and warm-ups, since the searches continue).
 Failures of one configuration (OOM, errors) are recorded in its row and the run goes on.
-The JSON is rewritten after every row.
+The JSON is rewritten after every row (and after every max-batch trial).
 
 ``--profile``: torch.profiler over ``--profile-steps`` decode steps of kivi-int4 at batch 1
 (prompt ``--prompt``; the prefill is not recorded), the top CUDA kernels by time printed
@@ -458,12 +479,28 @@ def med(xs):
 
 # ----------------------------------------------------------------------------- the run
 
+# settings under which a recorded max-batch trial is valid for a resumed search (and the trial's own "new")
+REUSE_SETTINGS = ("prefill_tokens", "no_prealloc", "no_expandable", "quanto_group", "quanto_residual")
+
+
+def row_rank(row: dict, keep_import: bool) -> float:
+    """Which of several resumed rows of one key to use: finished > a search log (the longer the better) > other."""
+    if row.get("status") in ("ok", "error") or (keep_import and row.get("skip_reason") == "import"):
+        return 3.0
+    if row.get("search"):
+        return 2.0 + min(len(row["search"]), 999) / 1000
+    return 1.0
+
+
 class Runner:
     def __init__(self, args, dev: Dev, quanto_info: dict, out_path: str):
         self.args, self.dev, self.quanto = args, dev, quanto_info
         self.out_path = out_path
         self.rows: list[dict] = []
-        self.kept: dict = {}
+        self.kept: dict = {}  # finished rows of the resumed JSONs: not run again
+        self.pending: dict = {}  # their unfinished rows: in the JSON until run again (max batch: trials reused)
+        self.pending_src: dict = {}
+        self.in_progress: dict | None = None  # the max-batch row being searched, as far as it got
         self.result = {}
         self.deadline = T_START + args.time_budget
         self.model_deadline = self.deadline
@@ -480,16 +517,70 @@ class Runner:
     def key(self, model, case, cache, prompt):
         return f"{model}|{case}|{cache}|{prompt}"
 
+    def rkey(self, row: dict) -> str:
+        return self.key(row.get("model"), row.get("case"), row.get("cache"), row.get("prompt"))
+
     def done(self, model, case, cache, prompt) -> bool:
         return self.key(model, case, cache, prompt) in self.kept
 
     def add_row(self, row: dict):
         row.setdefault("status", "ok" if not row.get("error") else "error")
         self.rows.append(row)
+        self.in_progress = None
         self.save()
 
+    def progress(self, row: dict):
+        """The unfinished row being worked on, saved now (replaced by ``add_row``)."""
+        self.in_progress = row
+        self.save()
+
+    def load_resume(self, paths: list[str]) -> dict | None:
+        """Rows of earlier result files (``--resume``: ``--out``, then ``--resume-from`` files). Per key the
+        best row is used (``row_rank``; ties: the earlier file). Returns the first file's content."""
+        keep_import = not self.quanto["available"]
+        best, first = {}, None
+        for path in paths:
+            with open(path) as f:
+                data = json.load(f)
+            first = first or data
+            src = dict(file=path, started=data.get("meta", {}).get("started"), git=data.get("meta", {}).get("git"),
+                       device=data.get("meta", {}).get("device"), settings=data.get("settings", {}))
+            for r in data.get("rows", []):
+                k = self.rkey(r)
+                if k not in best or row_rank(r, keep_import) > row_rank(best[k][0], keep_import):
+                    best[k] = (r, src)
+        for k, (r, src) in best.items():
+            if row_rank(r, keep_import) >= 3:
+                self.kept[k] = r
+            else:
+                self.pending[k], self.pending_src[k] = r, src
+        return first
+
+    def prior_search(self, key: str, budget) -> tuple[dict | None, str | None]:
+        """The recorded search of an unfinished max-batch row, if its trials are valid here, else a note why not."""
+        row = self.pending.get(key)
+        if not row or not row.get("search"):
+            return None, None
+        src, args = self.pending_src[key], self.args
+        diffs = [k for k in REUSE_SETTINGS if k in src["settings"] and src["settings"][k] != getattr(args, k)]
+        if row.get("budget_bytes") != budget:
+            diffs.append("budget_bytes")
+        if src.get("device") and src["device"].split(":")[0] != self.dev.device.type:
+            diffs.append("device")
+        if diffs:
+            return None, f"recorded trials of {src['file']} not reused: settings differ ({', '.join(diffs)})"
+        return dict(search=row["search"], source=src["file"], started=src.get("started"), git=src.get("git")), None
+
+    def given_batch(self, model: str, cache: str, prompt: int) -> int | None:
+        for g in self.args.maxbatch_at:
+            if g["model"] in (None, model) and g["cache"] == cache and g["prompt"] == prompt:
+                return g["batch"]
+        return None
+
     def save(self):
-        self.result["rows"] = list(self.kept.values()) + self.rows
+        new = {self.rkey(r) for r in self.rows} | ({self.rkey(self.in_progress)} if self.in_progress else set())
+        self.result["rows"] = (list(self.kept.values()) + [r for k, r in self.pending.items() if k not in new]
+                               + self.rows + ([self.in_progress] if self.in_progress else []))
         self.result["memory_arithmetic"] = self.memory_lines
         self.result["elapsed_s"] = time.perf_counter() - T_START
         os.makedirs(os.path.dirname(os.path.abspath(self.out_path)), exist_ok=True)
@@ -658,17 +749,34 @@ def memory_arithmetic(runner: Runner, ctx, row: dict):
 
 # ----------------------------------------------------------------------------- max batch
 
-def find_max_batch(fits, start: int, cap: int, tol: float):
+def find_max_batch(fits, start: int, cap: int, tol: float, known: dict | None = None):
     """Largest b <= cap with fits(b): doubling steps from ``start`` until a failure brackets it, then
-    bisection until hi - lo <= max(1, tol * lo). ``fits`` returns True/False (OOM). Returns (lo, hi)."""
+    bisection until hi - lo <= max(1, tol * lo). ``fits`` returns True/False (OOM). Returns (lo, hi).
+
+    ``known``: outcomes already measured ({batch: fits}, e.g. the trials of an interrupted search that is
+    resumed). They are never asked of ``fits`` again, and neither is a batch they decide on the search's
+    own assumption that fitting is monotone in the batch (at or below a known fit: fits; at or above a
+    known failure: does not), so a resumed search walks its recorded steps for free and continues from
+    the first batch it has no answer for."""
+    known = {int(b): bool(v) for b, v in (known or {}).items()}
+
+    def test(b: int) -> bool:
+        if b not in known:
+            if any(v and k >= b for k, v in known.items()):
+                return True
+            if any(not v and k <= b for k, v in known.items()):
+                return False
+            known[b] = bool(fits(b))
+        return known[b]
+
     lo, hi = 0, None
     b = max(1, min(start, cap))
     step = max(1, int(math.ceil(b * tol))) if start > 1 else 1
-    if fits(b):
+    if test(b):
         lo = b
         while lo < cap:
             nb = min(cap, lo + step)
-            if fits(nb):
+            if test(nb):
                 lo, step = nb, step * 2
             else:
                 hi = nb
@@ -677,15 +785,19 @@ def find_max_batch(fits, start: int, cap: int, tol: float):
         hi = b
         while hi > 1:
             nb = max(1, hi - step)
-            if fits(nb):
+            if test(nb):
                 lo = nb
                 break
             hi, step = nb, step * 2
+    # the tightest bracket the known outcomes give (a recorded fit above the walk's last step, say)
+    lo = max([lo] + [k for k, v in known.items() if v and k <= cap])
+    hi = min([k for k, v in known.items() if not v and k > lo] + ([hi] if hi is not None and hi > lo else []),
+             default=None)
     if lo == 0:
         return 0, hi
     while hi is not None and hi - lo > max(1, math.ceil(tol * lo)):
         mid = (lo + hi) // 2
-        if fits(mid):
+        if test(mid):
             lo = mid
         else:
             hi = mid
@@ -697,7 +809,11 @@ def maxbatch_phase(runner: Runner, ctx, mname: str, bar):
     budget = ctx["budget_bytes"]
     for p in args.batch_prompts:
         for cache in args.caches:
+            given = runner.given_batch(mname, cache, p)
             if runner.done(mname, "maxbatch", cache, p):
+                if given is not None:
+                    log(f"--maxbatch-at {mname}:{cache}:{p}:{given}: the row is already finished in the resumed "
+                        f"JSON and is kept (not measured again)")
                 continue
             bar.set_postfix_str(f"{mname} maxbatch {p} {cache}")
             bar.update(1)
@@ -706,25 +822,74 @@ def maxbatch_phase(runner: Runner, ctx, mname: str, bar):
             if cache.startswith("quanto") and not runner.quanto["available"]:
                 runner.add_row(skipped_row(base, "import", runner.quanto["error"]))
                 continue
+            key = runner.key(mname, "maxbatch", cache, p)
             if runner.left() < args.min_row_s:
+                if key in runner.pending:  # a resumed row (maybe with trials to reuse) stays as it is
+                    log(f"{mname} maxbatch {cache} {p}: not started (time budget); its resumed row is kept")
+                    continue
                 runner.add_row(skipped_row(base, "time budget", "time budget: not started (use --resume)"))
                 continue
-            runner.add_row(one_max_batch(runner, ctx, base, cache, p, budget))
+            prior, note = runner.prior_search(key, budget)
+            row = one_max_batch(runner, ctx, base, cache, p, budget, prior=prior, given=given)
+            if note:
+                row["resume_note"] = note
+            runner.add_row(row)
 
 
-def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -> dict:
+def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, prior: dict | None = None,
+                  given: int | None = None) -> dict:
+    """The max-batch row of one (cache, prompt): probes, search, measurement at the batch found.
+
+    ``prior``: ``{"search": [trial entries], "source": ..., "started": ...}``, the search log of an earlier
+    run's unfinished row (``--resume``): its fits and OOMs at this ``--trial-new`` are reused as trials
+    (entries marked ``reused``; probes included, so the memory and time models are the recorded ones) and
+    the search continues where it stopped. ``given``: no search; measure at this batch (``--maxbatch-at``),
+    recorded as ``batch_given``."""
     args, dev = runner.args, runner.dev
-    trials: dict[int, dict] = {}
-    log_trials = []
+    trials: dict[int, dict | None] = {}
+    log_trials: list[dict] = []
+    ran = []  # generates of this cache in this row (warm-up before a measurement that would be the first)
+    resumed = None
+    if prior:
+        reused, ignored = [], 0
+        for e in prior.get("search") or []:
+            b = e.get("batch")
+            if not isinstance(b, int) or e.get("new") != args.trial_new:
+                ignored += 1
+                continue
+            if e.get("ok") and e.get("t") is not None:
+                trials[b] = dict(t=e["t"], peak=e.get("peak"), ttft=e.get("ttft"), step_timer=e.get("step_timer"))
+                if e.get("ttft") and b * p >= 512:  # the prefill rate of the time estimates, as if it had run
+                    ctx["prefill_rate"] = max(ctx.get("prefill_rate") or 0.0, b * p / e["ttft"])
+            elif e.get("oom"):
+                trials.setdefault(b, None)  # a recorded fit at the same batch wins
+            else:
+                ignored += 1
+                continue
+            log_trials.append(dict(e, reused=True))
+            reused.append(b)
+        resumed = dict(source=prior.get("source"), started=prior.get("started"), reused_trials=reused,
+                       reused_fits=sorted(b for b in set(reused) if trials.get(b) is not None),
+                       reused_ooms=sorted(b for b in set(reused) if trials.get(b) is None), ignored_entries=ignored)
+        log(f"resume {base['model']} maxbatch {cache} {p}: reusing {len(reused)} recorded trials "
+            f"(fits {resumed['reused_fits']}, OOM {resumed['reused_ooms']})")
+
+    def snapshot():  # the row so far, in the JSON after every trial: a command killed mid-search loses nothing
+        runner.progress(dict(base, status="skipped", skip_reason="interrupted", search=list(log_trials),
+                             trial_new=args.trial_new, resumed=resumed,
+                             error="interrupted during the max-batch search (use --resume: its trials are reused)"))
 
     def trial(b: int, new: int) -> dict | None:
+        t0 = time.perf_counter()
         res, err = attempt(lambda: run_generate(ctx, cache, b, p, new, chunked=True))
+        ran.append(b)
         entry = dict(batch=b, new=new, ok=err is None)
         if err:
-            entry.update(err)
+            entry.update(err, t_fail=time.perf_counter() - t0)
         else:
             entry.update(t=res["t"], peak=res["peak"], ttft=res.get("ttft"), step_timer=res.get("step_timer"))
         log_trials.append(entry)
+        snapshot()
         if err and not err["oom"]:
             raise RuntimeError(err["error"])
         return res
@@ -734,36 +899,56 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
     # memory per sequence (KV cache) and not the prefill activations of a growing forward
     b1 = max(1, min(args.max_batch_cap // 2, (args.prefill_tokens or 8 * p) // p))
     b2 = min(args.max_batch_cap, 2 * b1)
+    r1 = r2 = None
     try:
-        r1 = trial(b1, args.trial_new)
-        if r1 is None:
-            return dict(base, error="OOM at batch 1", search=log_trials, status="error")
-        trials[b1] = r1
-        r2 = trial(b2, args.trial_new) if b2 > b1 else None
-        if r2 is not None:
+        if given is None or b1 in trials:
+            r1 = trials[b1] if b1 in trials else trial(b1, args.trial_new)
+            if r1 is None and given is None:
+                return dict(base, error=f"OOM at batch {b1}", search=log_trials, status="error", resumed=resumed)
+            trials[b1] = r1
+        if given is None and b2 > b1:
+            r2 = trials[b2] if b2 in trials else trial(b2, args.trial_new)
             trials[b2] = r2
     except RuntimeError as exc:
-        return dict(base, error=str(exc), search=log_trials, status="error")
+        return dict(base, error=str(exc), search=log_trials, status="error", resumed=resumed)
 
     def model_of(key):
-        if r2 is None or r1.get(key) is None or r2.get(key) is None:
+        if r1 is None or r2 is None or r1.get(key) is None or r2.get(key) is None:
             return None
         slope = (r2[key] - r1[key]) / (b2 - b1)
         return r1[key], slope
 
     mem, tim = model_of("peak"), model_of("t")
 
-    def est_time(b):
-        lin = r1["t"] * b if tim is None else tim[0] + tim[1] * (b - b1)
-        rate = ctx.get("prefill_rate")  # a first, cold probe can make the linear model too flat
-        by_rate = 0.0 if not rate else b * p / rate + args.trial_new * ((r2 or r1).get("step_timer") or 0.0)
-        return max(r1["t"], lin, by_rate)
+    def largest_fit():
+        fit = [b for b, r in trials.items() if r is not None]
+        return max(fit) if fit else None
 
-    predicted = None
+    def est_time(b):
+        rate, bl = ctx.get("prefill_rate"), largest_fit()
+        ref = r2 or r1 or (trials[bl] if bl else {})
+        ests = [0.0]
+        if r1 is not None:
+            ests += [r1["t"], r1["t"] * b / b1 if tim is None else tim[0] + tim[1] * (b - b1)]
+        if rate:  # a first, cold probe can make the linear model too flat
+            ests.append(b * p / rate + args.trial_new * (ref.get("step_timer") or 0.0))
+        if bl and bl > b2:  # the largest fit past the probes, scaled: the probes' rate is optimistic
+            ests.append(trials[bl]["t"] * b / bl)
+        return max(ests)
+
+    # the predicted maximum: the line through the smallest and the largest fits (the two probes in a fresh
+    # search; a resumed one also has its recorded large fits)
+    predicted, predicted_from = None, None
     start = 1
-    if dev.cuda and mem and mem[1] > 0 and budget and not args.no_predict:
-        predicted = b1 + (budget * 0.98 - mem[0]) / mem[1]  # 2 %: allocator slack below the budget
-        start = max(1, int(predicted))
+    pts = sorted((b, r["peak"]) for b, r in trials.items() if r is not None and r.get("peak") is not None)
+    if (dev.cuda and len(pts) >= 2 and pts[-1][0] > pts[0][0] and budget and not args.no_predict
+            and given is None):
+        (ba, pa), (bb, pb) = pts[0], pts[-1]
+        slope = (pb - pa) / (bb - ba)
+        if slope > 0:
+            predicted = bb + (budget * 0.98 - pb) / slope  # 2 %: allocator slack below the budget
+            predicted_from = [ba, bb]
+            start = max(1, int(predicted))
     if r2 is None:
         start = 1
 
@@ -778,33 +963,57 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
         return res is not None
 
     stopped = None
-    try:
-        lo, hi = find_max_batch(fits, start, args.max_batch_cap, args.batch_tol)
-    except TimeBudget as exc:
-        stopped = str(exc)
-        ok = [b for b, r in trials.items() if r is not None]
-        bad = [b for b, r in trials.items() if r is None]
-        lo = max(ok) if ok else 0
-        hi = min([b for b in bad if b > lo], default=None)
-    except RuntimeError as exc:
-        return dict(base, error=str(exc), search=log_trials, predicted_batch=predicted, status="error")
-    row = dict(base, batch=lo, batch_oom=hi, predicted_batch=predicted, capped=lo >= args.max_batch_cap,
-               search=log_trials, trial_new=args.trial_new, memory_model=None if mem is None else
-               dict(bytes_at_1=mem[0], bytes_per_seq=mem[1]), search_stopped_early=stopped)
+    if given is not None:
+        lo = given
+        hi = min([b for b, r in trials.items() if r is None and b > given], default=None)
+    else:
+        try:
+            lo, hi = find_max_batch(fits, start, args.max_batch_cap, args.batch_tol,
+                                    known={b: r is not None for b, r in trials.items()})
+        except TimeBudget as exc:
+            stopped = str(exc)
+            ok = [b for b, r in trials.items() if r is not None]
+            bad = [b for b, r in trials.items() if r is None]
+            lo = max(ok) if ok else 0
+            hi = min([b for b in bad if b > lo], default=None)
+        except RuntimeError as exc:
+            return dict(base, error=str(exc), search=log_trials, predicted_batch=predicted, status="error",
+                        resumed=resumed)
+    row = dict(base, batch=lo, batch_oom=hi, predicted_batch=predicted,
+               capped=given is None and lo >= args.max_batch_cap, search=log_trials, trial_new=args.trial_new,
+               memory_model=None if mem is None else dict(bytes_at_1=mem[0], bytes_per_seq=mem[1]),
+               search_stopped_early=stopped, batch_given=given is not None, resumed=resumed)
+    if predicted_from and predicted_from != [b1, b2]:
+        row["predicted_from"] = predicted_from
     if lo == 0:
         return dict(row, status="error", error="no batch fits the budget")
-    tr = trials[lo]
+    tr = trials.get(lo)  # the last fitting trial at that batch (None: a given batch that was never tried)
     # the throughput measurement at the batch found
-    step_est = tr.get("step_timer") or 0.0
-    est = tr["t"] + (args.batch_new - args.trial_new) * step_est
+    if tr:
+        est = tr["t"] + (args.batch_new - args.trial_new) * (tr.get("step_timer") or 0.0)
+    else:
+        rate, bl = ctx.get("prefill_rate"), largest_fit()
+        step = (trials[bl].get("step_timer") if bl else None) or 0.1
+        est = None if not rate else lo * p / rate + args.batch_new * step
+    if not ran:  # nothing of this cache ran in this row (recorded probes, a given batch): compile and settle first
+        t0 = time.perf_counter()
+        wb = min(lo, b1)
+        if not runner.fits_in_time((est or 0.0) + (est_time(wb) or 0.0)):
+            return dict(row, status="skipped", skip_reason="time budget",
+                        error=f"time budget: measurement at batch {lo} (~{est or 0:.0f} s) did not fit (use --resume)")
+        _, werr = attempt(lambda: run_generate(ctx, cache, wb, p, 2, chunked=True))
+        row["warmup"] = dict(batch=wb, new=2, t=time.perf_counter() - t0, error=None if not werr else werr["error"])
     if not runner.fits_in_time(est):
         return dict(row, status="skipped", skip_reason="time budget",
-                    error=f"time budget: measurement at batch {lo} (~{est:.0f} s) did not fit (use --resume)")
+                    error=f"time budget: measurement at batch {lo} (~{est or 0:.0f} s) did not fit (use --resume)")
     res, err = attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True, chunked=True))
+    if err and given is not None and err["oom"]:  # not a finished row: a later --resume can still search
+        return dict(row, **err, status="skipped", skip_reason="given batch OOM")
     if err:
         return dict(row, **err, status="error")
-    row.update(t_N_s=[res["t"]], t_trial_s=tr["t"], step_timer_s=res.get("step_timer"), ttft_s=res.get("ttft"),
-               peak_bytes=res["peak"], prefill_chunk=res["prefill_chunk"], **res.get("cache_stats", {}))
+    row.update(t_N_s=[res["t"]], t_trial_s=None if not tr else tr["t"], step_timer_s=res.get("step_timer"),
+               ttft_s=res.get("ttft"), peak_bytes=res["peak"], prefill_chunk=res["prefill_chunk"],
+               **res.get("cache_stats", {}))
     maxbatch_rates(row, args.batch_new, args.trial_new)
     if dev.cuda and budget and res["peak"] and res["peak"] > budget:
         row["note"] = "peak above the budget: the memory fraction was not enforced"
@@ -815,10 +1024,10 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget) -
 def maxbatch_rates(row: dict, n: int, m: int) -> dict:
     """Decode rates of a max-batch row. The decode step is the per-step timer's median: at these batches a
     generate is mostly a chunked prefill of a million tokens whose time varies by seconds between runs, so
-    the difference of two generates ((t_N - t_trial) / (N - trial), kept as ``decode_step_ms_tN``) is noise
-    and can come out negative."""
-    b, tn, tt, timer = row["batch"], row["t_N_s"][0], row["t_trial_s"], row.get("step_timer_s")
-    step_tn = (tn - tt) / (n - m) if n > m else None
+    the difference of two generates ((t_N - t_trial) / (N - trial), kept as ``decode_step_ms_tN``; None
+    without a trial at that batch, as with ``--maxbatch-at``) is noise and can come out negative."""
+    b, tn, tt, timer = row["batch"], row["t_N_s"][0], row.get("t_trial_s"), row.get("step_timer_s")
+    step_tn = (tn - tt) / (n - m) if n > m and tt is not None else None
     row.update(decode_step_ms_tN=None if step_tn is None else step_tn * 1e3,
                decode_step_ms=None if not timer else timer * 1e3, step_ms_timer=None if not timer else timer * 1e3,
                decode_tok_s=None if not timer else b / timer, e2e_tok_s=b * n / tn,
@@ -1036,6 +1245,32 @@ def names(s: str, allowed) -> list[str]:
     return out
 
 
+def parse_maxbatch_at(spec: str, args) -> dict:
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"--maxbatch-at {spec}: expected [MODEL:]CACHE:PROMPT:BATCH")
+    model = parts[0] if len(parts) == 4 else None
+    cache, prompt, batch = parts[-3:]
+    try:
+        prompt, batch = int(prompt), int(batch)
+    except ValueError:
+        raise SystemExit(f"--maxbatch-at {spec}: PROMPT and BATCH are integers") from None
+    problems = []
+    if model is not None and model not in args.models:
+        problems.append(f"model {model} not in --models {args.models}")
+    if cache not in args.caches:
+        problems.append(f"cache {cache} not in --caches {args.caches}")
+    if prompt not in args.batch_prompts:
+        problems.append(f"prompt {prompt} not in --batch-prompts {args.batch_prompts}")
+    if "maxbatch" not in args.cases:
+        problems.append("maxbatch not in --cases")
+    if batch < 1:
+        problems.append("batch < 1")
+    if problems:
+        raise SystemExit(f"--maxbatch-at {spec}: " + "; ".join(problems))
+    return dict(model=model, cache=cache, prompt=prompt, batch=batch)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -1067,7 +1302,15 @@ def parse_args(argv=None):
     ap.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (510)")
     ap.add_argument("--min-row-s", type=float, default=None,
                     help="a max-batch row is not started with less time left (25 s)")
-    ap.add_argument("--resume", action="store_true", help="keep finished rows of --out, run only the others")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep finished rows of --out, run only the others; an unfinished max-batch search "
+                         "continues from its recorded trials")
+    ap.add_argument("--resume-from", action="append", default=[], metavar="JSON",
+                    help="(repeatable, implies --resume) also take rows from this result file: per row the "
+                         "finished one, else the longest max-batch search log; the output is --out")
+    ap.add_argument("--maxbatch-at", action="append", default=[], metavar="[MODEL:]CACHE:PROMPT:BATCH",
+                    help="(repeatable) maxbatch row of CACHE at PROMPT: no search, measure throughput at BATCH "
+                         "(row marked batch_given; recorded trials of a resumed row are kept)")
     ap.add_argument("--no-prealloc", action="store_true", help="kivi pools grow on demand instead")
     ap.add_argument("--quanto-group", type=int, default=64, help="quanto q_group_size (transformers default 64)")
     ap.add_argument("--quanto-residual", type=int, default=128, help="quanto residual_length (128)")
@@ -1098,6 +1341,8 @@ def parse_args(argv=None):
     args.ctx_prompts = ints(args.ctx_prompts)
     args.batch_prompts = ints(args.batch_prompts)
     args.trial_new = max(1, min(args.trial_new, args.batch_new - 1)) if args.batch_new > 1 else 1
+    args.resume = args.resume or bool(args.resume_from)
+    args.maxbatch_at = [parse_maxbatch_at(x, args) for x in args.maxbatch_at]
     return args
 
 
@@ -1140,18 +1385,24 @@ def main(argv=None):
                   alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                   started=time.strftime("%Y-%m-%d %H:%M:%S")),
         settings=settings, models={}, rows=[], profile=[])
-    if args.resume and os.path.exists(out_path):
-        with open(out_path) as f:
-            old = json.load(f)
-        for r in old.get("rows", []):
-            if r.get("status") in ("ok", "error") or (
-                    r.get("skip_reason") == "import" and not quanto_info["available"]):
-                runner.kept[runner.key(r["model"], r["case"], r["cache"], r["prompt"])] = r
+    sources = ([out_path] if args.resume and os.path.exists(out_path) else [])
+    sources += [f for f in map(os.path.abspath, args.resume_from) if f not in sources]
+    if sources:
+        old = runner.load_resume(sources)
         runner.result["models"] = old.get("models", {})
         runner.result["profile"] = old.get("profile", [])
         runner.memory_lines = list(old.get("memory_arithmetic", []))
         runner.result["resumed_from"] = old.get("meta", {}).get("started")
-        log(f"resume: keeping {len(runner.kept)} finished rows of {out_path}")
+        runner.result["resumed_files"] = sources
+        for k in ("models", "caches", "cases", "batch_prompts", "ctx_prompts"):  # the table and plots cover the
+            # kept rows too (new lists: args keeps this run's)
+            prev = old.get("settings", {}).get(k) or []
+            runner.result["settings"][k] = list(dict.fromkeys(list(prev) + list(getattr(args, k))))
+        searches = sum(1 for r in runner.pending.values() if r.get("search"))
+        log(f"resume: keeping {len(runner.kept)} finished rows of {', '.join(sources)}; {len(runner.pending)} "
+            f"unfinished rows are run again if requested ({searches} max-batch searches to continue)")
+    elif args.resume:
+        log(f"resume: {out_path} does not exist, starting afresh")
 
     log(f"bench_generate: {gpu['name'] if gpu else device} | torch {torch.__version__} | transformers "
         f"{transformers.__version__} | triton {triton_version} | budget "

@@ -2,7 +2,9 @@
 
     python eval/report_generate.py eval/results/a.json eval/results/b.json ... --out eval/results/merged.json
 
-Rows are keyed by (model, case, cache, prompt); a later file's row replaces an earlier one. Max-batch rows
+Rows are keyed by (model, case, cache, prompt); a later file's row replaces an earlier one, unless the earlier
+is finished (ok/error) and the later is not, or the earlier has the longer max-batch search log of two
+unfinished rows (``bench_generate.row_rank``: a resumed file's finished row beats the stale partial one). Max-batch rows
 recorded before the per-step timer became their decode step get their rates recomputed from the values
 recorded in them (``maxbatch_rates``) and the theoretical KV bytes per token are recomputed (arithmetic):
 nothing is re-measured.
@@ -46,7 +48,9 @@ def merge(paths: list[str]) -> dict:
                 # label: runs before session 3 priced Int2PagedCache as 2/2 bits g32 instead of its 4/2 bits g64)
                 r["kv_bytes_per_token_theory"] = bg.kv_theory(r["cache"], shapes, types.SimpleNamespace(
                     quanto_group=data["settings"].get("quanto_group", 64)))
-            rows[(r["model"], r["case"], r["cache"], r["prompt"])] = r
+            key = (r["model"], r["case"], r["cache"], r["prompt"])
+            if key not in rows or bg.row_rank(r, False) >= bg.row_rank(rows[key], False):
+                rows[key] = r
     result["rows"] = list(rows.values())
     return result
 

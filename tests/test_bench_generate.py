@@ -111,6 +111,11 @@ def test_find_max_batch():
             assert lo <= true_max and (hi is None or hi > true_max)
             assert true_max - lo <= max(1, tol * true_max) if tol else lo == true_max
             assert len(tried) <= 4 * (true_max.bit_length() + 2)
+    # known outcomes (a resumed search): never asked again, nor batches they decide (fits are monotone)
+    tried = []
+    lo, hi = mod.find_max_batch(lambda b: tried.append(b) or b <= 100, 40, 4096, 0.04,
+                                known={40: True, 44: True, 52: True, 90: True, 130: False})
+    assert lo <= 100 < hi and 100 - lo <= 4 and tried and all(90 < b < 130 for b in tried), tried
     lo, hi = mod.find_max_batch(lambda b: True, 1, 16, 0.0)
     assert (lo, hi) == (16, None)
     lo, hi = mod.find_max_batch(lambda b: False, 8, 16, 0.0)
@@ -181,3 +186,143 @@ def test_static_caches_run(tmp_path):
     assert {(r["cache"], r["case"]) for r in rows} == {(c, k) for c in ("fp16-static", "kivi-int4-static")
                                                        for k in ("short", "long")}
     assert all(r["status"] == "ok" and r["decode_step_ms"] == r["decode_step_ms"] for r in rows), rows
+
+
+def _fake_gpu_generate(calls, budget, weights, per_seq, t_per_seq=0.02):
+    """A generate whose peak memory grows linearly in the batch and that OOMs above the budget."""
+    import torch
+
+    def fake_run(ctx, cache, b, p, new, keep_cache=False, chunked=False):
+        assert chunked  # max-batch runs prefill in chunks
+        calls.append((b, new))
+        peak = weights + b * per_seq
+        if peak > budget:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+        res = dict(t=0.5 + t_per_seq * b + 0.03 * new, peak=peak, ttft=0.5 + t_per_seq * b, step_timer=0.03,
+                   generated=new, prefill_chunk=None)
+        if keep_cache:
+            res["cache_stats"] = dict(kv_bytes_per_token=1.0)
+        return res
+
+    return fake_run
+
+
+def test_max_batch_search_resumes_from_recorded_trials(monkeypatch, tmp_path):
+    """--resume: a search cut short (probes and three fits, no OOM yet) continues from its recorded trials
+    (none is run again, their peaks feed the prediction) and ends with the measurement; --maxbatch-at measures
+    at a given batch without a search."""
+    from types import SimpleNamespace
+
+    import torch
+
+    mod = _load()
+    gib, mib = 1 << 30, 1 << 20
+    budget, weights, per_seq = 80 * gib, 14 * gib, 150 * mib
+    true_max = (budget - weights) // per_seq  # 450
+    calls = []
+    monkeypatch.setattr(mod, "run_generate", _fake_gpu_generate(calls, budget, weights, per_seq))
+    args = mod.parse_args(["--batch-new", "64", "--trial-new", "16", "--time-budget", "1000"])
+    base = dict(model="m", case="maxbatch", cache="fp16", batch=None, prompt=1024, new=64, budget_bytes=budget)
+    runner = mod.Runner(args, SimpleNamespace(cuda=True, device=torch.device("cuda")), {"available": True},
+                        str(tmp_path / "x.json"))
+
+    def entry(b, t=None, ok=True):
+        if not ok:
+            return dict(batch=b, new=16, ok=False, error="OOM: fake", oom=True)
+        return dict(batch=b, new=16, ok=True, t=t or 9.0 + b / 1000, peak=weights + b * per_seq, ttft=1.0,
+                    step_timer=0.03)
+
+    # a stopped search: its recorded t values (9 + b / 1000) tell reused trials from new ones (0.98 + b / 50)
+    recorded = [entry(64), entry(128), entry(380), entry(395), entry(425)]
+    row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget,
+                            prior=dict(search=recorded, source="old.json", started="yesterday"))
+    assert row["status"] == "ok", row
+    assert true_max * (1 - args.batch_tol) - 1 <= row["batch"] <= true_max < row["batch_oom"]
+    assert not {b for b, n in calls if n == 16} & {64, 128, 380, 395, 425}, calls  # nothing recorded rerun
+    assert all(b > 425 for b, n in calls if n == 16) and 1 <= len([c for c in calls if c[1] == 16]) <= 3, calls
+    assert calls[-1] == (row["batch"], 64)
+    assert row["resumed"]["reused_fits"] == [64, 128, 380, 395, 425] and row["resumed"]["source"] == "old.json"
+    assert [e["batch"] for e in row["search"] if e.get("reused")] == [64, 128, 380, 395, 425]
+    assert row["predicted_from"] == [64, 425] and abs(row["predicted_batch"] - true_max * 0.98 - 27) < 30
+    assert row["memory_model"]["bytes_per_seq"] == per_seq  # from the recorded probes
+
+    # the bracket is recorded already (a fit and an OOM within the tolerance): no trial, warm-up + measurement
+    calls.clear()
+    recorded = [entry(64), entry(128), entry(440), entry(452, ok=False)]
+    row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget,
+                            prior=dict(search=recorded, source="old.json"))
+    assert row["status"] == "ok" and (row["batch"], row["batch_oom"]) == (440, 452), row
+    assert calls == [(64, 2), (440, 64)], calls  # warm-up at the probe batch, then the measurement
+    assert row["t_trial_s"] == 9.44 and row["resumed"]["reused_ooms"] == [452]
+
+    # --maxbatch-at: no search at all
+    calls.clear()
+    row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget, given=300)
+    assert row["status"] == "ok" and row["batch"] == 300 and row["batch_given"] and not row["search"], row
+    assert calls == [(64, 2), (300, 64)], calls
+    assert row["decode_step_ms_tN"] is None and row["decode_tok_s"] > 0
+    row = mod.one_max_batch(runner, dict(budget_bytes=budget), base, "fp16", 1024, budget, given=true_max + 5)
+    assert row["status"] == "skipped" and row["skip_reason"] == "given batch OOM" and row["oom"], row
+
+    # trials recorded under other settings are not reused
+    runner.pending["k"] = dict(search=recorded, budget_bytes=budget)
+    runner.pending_src["k"] = dict(file="old.json", settings=dict(prefill_tokens=4096), device="cuda:0")
+    prior, note = runner.prior_search("k", budget)
+    assert prior is None and "prefill_tokens" in note
+    runner.pending_src["k"]["settings"]["prefill_tokens"] = args.prefill_tokens
+    assert runner.prior_search("k", budget)[0]["search"] == recorded
+
+
+def test_resume_continues_max_batch_rows_end_to_end(monkeypatch, tmp_path):
+    """main(--resume --resume-from --maxbatch-at) on the CPU (tiny model): recorded trials are not rerun,
+    rows of caches outside the run stay in the JSON, a given batch is measured without a search."""
+    mod = _load()
+    real = mod.run_generate
+    calls = []
+
+    def counting(ctx, cache, b, p, new, keep_cache=False, chunked=False, **kw):
+        if chunked:
+            calls.append((cache, b, new))
+        return real(ctx, cache, b, p, new, keep_cache=keep_cache, chunked=chunked, **kw)
+
+    monkeypatch.setattr(mod, "run_generate", counting)
+
+    def fit(b, t):
+        return dict(batch=b, new=3, ok=True, t=t, peak=None, ttft=0.01, step_timer=0.001)
+
+    def mb_row(cache, status, search=None, **kw):
+        return dict(model="tiny", case="maxbatch", cache=cache, batch=None, prompt=48, new=6, status=status,
+                    skip_reason="time budget", error="time budget (test)", search=search, **kw)
+
+    settings = dict(prefill_tokens=64, no_prealloc=False, no_expandable=False, quanto_group=64, quanto_residual=128)
+    meta = dict(started="earlier", device="cpu")
+    oom4 = dict(batch=4, new=3, ok=False, error="OOM: fake", oom=True)
+    out = tmp_path / "out.json"
+    out.write_text(json.dumps(dict(meta=meta, settings=settings, models={}, rows=[
+        mb_row("kivi-int4", "skipped", [fit(1, 11.0), fit(2, 12.0), oom4]),
+        mb_row("fp16", "skipped"),  # not started here; its search is in the other file
+        mb_row("quanto-int2", "skipped", [fit(1, 5.0)]),  # not in this run: kept as it is
+    ])))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(meta=meta, settings=settings, models={}, rows=[
+        mb_row("fp16", "skipped", [fit(1, 41.0), fit(2, 42.0), fit(4, 44.0)])])))
+    mod.main(["--quick", "--device", "cpu", "--no-plot", "--cases", "maxbatch", "--caches",
+              "fp16,kivi-int4,kivi-kv2", "--resume", "--resume-from", str(other), "--out", str(out),
+              "--maxbatch-at", "kivi-kv2:48:2"])
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp16", "kivi-int4", "kivi-kv2", "quanto-int2"}
+    assert rows["quanto-int2"]["status"] == "skipped" and rows["quanto-int2"]["search"][0]["t"] == 5.0
+    # kivi-int4: fits at 1, 2 and the OOM at 4 reused (the CPU never runs out of memory): only 3 is tried
+    k4 = rows["kivi-int4"]
+    assert k4["status"] == "ok" and (k4["batch"], k4["batch_oom"]) == (3, 4), k4
+    assert [c for c in calls if c[0] == "kivi-int4"] == [("kivi-int4", 3, 3), ("kivi-int4", 3, 6)], calls
+    assert k4["resumed"]["reused_fits"] == [1, 2] and k4["resumed"]["reused_ooms"] == [4]
+    # fp16: the whole search recorded (up to the cap) in the --resume-from file: warm-up and measurement only
+    f16 = rows["fp16"]
+    assert f16["status"] == "ok" and f16["batch"] == 4 and f16["t_trial_s"] == 44.0, f16
+    assert [c for c in calls if c[0] == "fp16"] == [("fp16", 1, 2), ("fp16", 4, 6)], calls
+    assert f16["resumed"]["source"] == str(other)
+    # kivi-kv2: --maxbatch-at, no search
+    k2 = rows["kivi-kv2"]
+    assert k2["status"] == "ok" and k2["batch"] == 2 and k2["batch_given"] and not k2["search"], k2
+    assert [c for c in calls if c[0] == "kivi-kv2"] == [("kivi-kv2", 1, 2), ("kivi-kv2", 2, 6)], calls
