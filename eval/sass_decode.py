@@ -5,9 +5,12 @@ inner loop inspected: instructions per step by opcode, registers, spills. This i
 kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending device time.
 
     python eval/sass_decode.py [KEY=VALUE ...]   e.g. KBITS=2 VBITS=2 GP=4 G=32 D=128
-    env: W (warps, default 1), S (stages, 3), R (maxnreg, default 0 = none; the kernel caps 32-token steps at 128),
+    env: W (warps, default 1), S (stages, 3), R (maxnreg, default KIVI_DECODE_MAXNREG or 0 = none; the kernel
+         caps 32-token steps at 128, which this script does not: pass R=128 there),
          DUMP=prefix (write prefix.sass/.ptx/.ttgir)
-    The last line printed is a JSON summary (used by tests/test_sass.py).
+    The last line printed is a JSON summary (used by tests/test_sass.py): spills = STL/LDL in the paged loop,
+    spills_total = in the whole kernel, warps_per_sm = resident warps the registers allow (steps of 4 on sm_90:
+    8 at 169-256 registers, 12 at 129-168, 16 at <= 128).
 """
 
 import collections
@@ -78,7 +81,7 @@ def main():
                  VASM=True, BF16=False, VW32=True)
     const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
     k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", 3)),
-                       int(os.environ.get("R", 0)))
+                       int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
     with tempfile.TemporaryDirectory() as tmp:
         cub = os.path.join(tmp, "k.cubin")
         open(cub, "wb").write(k.asm["cubin"])
@@ -94,12 +97,19 @@ def main():
     codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
     found = list(loops(sass))
     for n, c in found:
-        print(f"loop: {n} instructions per step; spills in loop {c['STL'] + c['LDL']}; top: "
+        print(f"loop: {n} instructions per step; spills in loop {sum(v for k, v in c.items() if k.startswith(('STL', 'LDL')))}; top: "
               + ", ".join(f"{k} {v}" for k, v in c.most_common(12)))
     print(f"(a step of the paged loop covers {const['BLOCK']} tokens = {codes} codes per lane with 1 warp)")
     n, c = found[0]  # the paged loop comes first
     spills = sum(v for k, v in c.items() if k.startswith(("STL", "LDL")))
+    total = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))  # spill instructions anywhere in the kernel
+    reg = int(re.search(r"REG:(\d+)", res).group(1))
+    # resident warps per SM (cuda_occupancy.h, sm_90): registers are allocated per warp in units of 256 from
+    # each of the 4 sub-partitions' 16384: 4 * floor(16384 / roundup(32 * reg, 256)), at most 64
+    warps_sm = min(64, 4 * (16384 // (-(-32 * reg // 256) * 256)))
     print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
+                          spills_total=total, loop_spills=[sum(v for k, v in c_.items() if k.startswith(("STL", "LDL")))
+                                                            for _, c_ in found], reg=reg, warps_per_sm=warps_sm,
                           hmma=sum(v for k, v in c.items() if k.startswith("HMMA")))))
 
 
