@@ -134,25 +134,12 @@ def test_max_batch_search_against_a_memory_model(monkeypatch, tmp_path):
     import time
     from types import SimpleNamespace
 
-    import torch
-
     mod = _load()
     gib, mib = 1 << 30, 1 << 20
     budget, weights, per_seq = 80 * gib, 14 * gib, 150 * mib
     true_max = (budget - weights) // per_seq
     calls = []
-
-    def fake_run(ctx, cache, b, p, new, keep_cache=False, chunked=False):
-        assert chunked  # max-batch runs prefill in chunks
-        calls.append((b, new))
-        peak = weights + b * per_seq
-        if peak > budget:
-            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
-        res = dict(t=0.5 + 0.02 * b + 0.03 * new, peak=peak, ttft=0.5 + 0.02 * b, step_timer=0.03, generated=new,
-                   prefill_chunk=None)
-        if keep_cache:
-            res["cache_stats"] = dict(kv_bytes_per_token=1.0)
-        return res
+    fake_run = _fake_gpu_generate(calls, budget, weights, per_seq)
 
     monkeypatch.setattr(mod, "run_generate", fake_run)
     args = mod.parse_args(["--batch-new", "64", "--trial-new", "16", "--time-budget", "1000"])
