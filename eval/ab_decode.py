@@ -64,7 +64,8 @@ for shape in args.shapes.split(","):
     vf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
     sdpa = []
     for _ in range(args.rounds):
-        sdpa.append(bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kf, vf, enable_gqa=True)))
+        sdpa.append(bench(lambda q=q, kf=kf, vf=vf: torch.nn.functional.scaled_dot_product_attention(
+            q, kf, vf, enable_gqa=True)))
     t_sdpa = statistics.median(sdpa)
     del kf, vf
     for bits in args.bits.split(","):
@@ -92,8 +93,8 @@ for shape in args.shapes.split(","):
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
                 try:
-                    f = lambda: mod.paged_decode_attention(  # noqa: E731
-                        q[:, :, 0], bt, lens, kc, ks, kz, vc, vs, vz, rk, rv, rl, kb, vb, g, 0.088)
+                    a = (q[:, :, 0], bt, lens, kc, ks, kz, vc, vs, vz, rk, rv, rl, kb, vb, g, 0.088)
+                    f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
                     outs[n] = f().float()
                     times[n].append(bench(f))
                 except Exception as e:  # noqa: BLE001
