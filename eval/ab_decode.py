@@ -4,7 +4,8 @@ Each implementation is a copy of the ``kernels`` package: ``--impl name=path/to/
 current ``kivi_cache.kernels`` is always ``cur``). Variants of ``cur`` run with environment settings
 (``--env name:KEY=VAL,KEY=VAL``). For every shape and bit setting: fp16 SDPA (baseline, separate K and V
 tensors), then every implementation/variant, in ``--rounds`` alternating rounds (medians of do_bench
-medians); outputs are compared with ``cur`` (relative max error printed). Usage:
+medians); outputs are compared with ``cur`` (relative max error printed). Pools, bytes (codes, scales and
+zeros, residual, q/out, block table) and kernel arguments come from ``bench_kernels.py``. Usage:
     python eval/ab_decode.py --impl main=eval/ab/kmain --env s32:KIVI_DECODE_STEP=32 --out ab.json
 """
 
@@ -18,7 +19,11 @@ import sys
 import torch
 import triton
 
-from kivi_cache import kernels as cur
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_kernels import decode_args, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
+
+from kivi_cache import kernels as cur  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--impl", action="append", default=[], help="name=package_dir")
@@ -71,21 +76,12 @@ for shape in args.shapes.split(","):
     for bits in args.bits.split(","):
         kb, vb, g = map(int, bits.split("/"))
         t_q = ctx - res
-        npg = -(-t_q // page)
-        np_ = b * npg
         gen = torch.Generator(device=dev).manual_seed(0)
-        kc = torch.randint(0, 255, (np_, hkv, page, d * kb // 8), device=dev, dtype=torch.uint8, generator=gen)
-        ks = torch.rand(np_, hkv, page // g, d, device=dev, dtype=torch.float16, generator=gen) * 0.02
-        kz = torch.rand(np_, hkv, page // g, d, device=dev, dtype=torch.float16, generator=gen) - 0.5
-        vc = torch.randint(0, 255, (np_, hkv, page, d * vb // 8), device=dev, dtype=torch.uint8, generator=gen)
-        vs = torch.rand(np_, hkv, page, d // g, device=dev, dtype=torch.float16, generator=gen) * 0.02
-        vz = torch.rand(np_, hkv, page, d // g, device=dev, dtype=torch.float16, generator=gen) - 0.5
-        bt = torch.randperm(np_, device=dev, dtype=torch.int32, generator=gen).reshape(b, npg)
-        lens = torch.full((b,), t_q, device=dev, dtype=torch.int32)
-        rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16, generator=gen)
-        rv = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16, generator=gen)
+        pool = make_pool(b, hkv, t_q, d, page, g, kb, vb, torch.device(dev), gen)
+        rk = torch.randn(b, hkv, res + g, d, device=dev, dtype=torch.float16, generator=gen)
+        rv = torch.randn(b, hkv, res + g, d, device=dev, dtype=torch.float16, generator=gen)
         rl = torch.full((b,), res, device=dev, dtype=torch.int32)
-        nbytes = sum(t.numel() * t.element_size() for t in (kc, ks, kz, vc, vs, vz)) + 2 * b * hkv * res * d * 2
+        nbytes = pool_bytes(pool, b, hkv, t_q, d, page, g, kb, vb, res, hq)
         times = {n: [] for n, _, _ in impls}
         outs = {}
         for _ in range(args.rounds):
@@ -93,7 +89,7 @@ for shape in args.shapes.split(","):
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
                 try:
-                    a = (q[:, :, 0], bt, lens, kc, ks, kz, vc, vs, vz, rk, rv, rl, kb, vb, g, 0.088)
+                    a = decode_args(pool, q[:, :, 0], rk, rv, rl, kb, vb, g, 0.088)
                     f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
                     outs[n] = f().float()
                     times[n].append(bench(f))
@@ -117,7 +113,7 @@ for shape in args.shapes.split(","):
             rows.append(r)
             print(f"{shape:>12} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
                   f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}", flush=True)
-        del kc, ks, kz, vc, vs, vz
+        del pool
 if args.out:
     json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    timing="cuda graph replay" if args.graph else "eager launches (do_bench)", rows=rows),
