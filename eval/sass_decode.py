@@ -76,6 +76,11 @@ def loops(sass):
             yield len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body)
 
 
+def spill_count(ops: collections.Counter) -> int:
+    """Spill instructions (local-memory stores and loads) in one loop's opcode counts."""
+    return sum(v for k, v in ops.items() if k.startswith(("STL", "LDL")))
+
+
 def main():
     const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
                  VASM=True, BF16=False, VW32=True)
@@ -97,19 +102,18 @@ def main():
     codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
     found = list(loops(sass))
     for n, c in found:
-        print(f"loop: {n} instructions per step; spills in loop {sum(v for k, v in c.items() if k.startswith(('STL', 'LDL')))}; top: "
+        print(f"loop: {n} instructions per step; spills in loop {spill_count(c)}; top: "
               + ", ".join(f"{k} {v}" for k, v in c.most_common(12)))
     print(f"(a step of the paged loop covers {const['BLOCK']} tokens = {codes} codes per lane with 1 warp)")
     n, c = found[0]  # the paged loop comes first
-    spills = sum(v for k, v in c.items() if k.startswith(("STL", "LDL")))
+    spills = spill_count(c)
     total = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))  # spill instructions anywhere in the kernel
     reg = int(re.search(r"REG:(\d+)", res).group(1))
     # resident warps per SM (cuda_occupancy.h, sm_90): registers are allocated per warp in units of 256 from
     # each of the 4 sub-partitions' 16384: 4 * floor(16384 / roundup(32 * reg, 256)), at most 64
     warps_sm = min(64, 4 * (16384 // (-(-32 * reg // 256) * 256)))
     print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
-                          spills_total=total, loop_spills=[sum(v for k, v in c_.items() if k.startswith(("STL", "LDL")))
-                                                            for _, c_ in found], reg=reg, warps_per_sm=warps_sm,
+                          spills_total=total, loop_spills=[spill_count(c_) for _, c_ in found], reg=reg, warps_per_sm=warps_sm,
                           hmma=sum(v for k, v in c.items() if k.startswith("HMMA")))))
 
 
