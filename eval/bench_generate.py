@@ -952,9 +952,7 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
     if r2 is None:
         start = 1
 
-    def fits(b: int) -> bool:
-        if b in trials:
-            return trials[b] is not None
+    def fits(b: int) -> bool:  # asked only for batches without a trial (find_max_batch knows the trials)
         est = est_time(b)
         if not runner.fits_in_time(est):
             raise TimeBudget(f"trial at batch {b} (~{est:.0f} s) does not fit the time left ({runner.left():.0f} s)")
@@ -962,20 +960,21 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
         trials[b] = res
         return res is not None
 
+    def oom_above(b: int) -> int | None:  # the smallest batch above b that ran out of memory
+        return min([k for k, r in trials.items() if r is None and k > b], default=None)
+
     stopped = None
     if given is not None:
         lo = given
-        hi = min([b for b, r in trials.items() if r is None and b > given], default=None)
+        hi = oom_above(given)
     else:
         try:
             lo, hi = find_max_batch(fits, start, args.max_batch_cap, args.batch_tol,
                                     known={b: r is not None for b, r in trials.items()})
         except TimeBudget as exc:
             stopped = str(exc)
-            ok = [b for b, r in trials.items() if r is not None]
-            bad = [b for b, r in trials.items() if r is None]
-            lo = max(ok) if ok else 0
-            hi = min([b for b in bad if b > lo], default=None)
+            lo = largest_fit() or 0
+            hi = oom_above(lo)
         except RuntimeError as exc:
             return dict(base, error=str(exc), search=log_trials, predicted_batch=predicted, status="error",
                         resumed=resumed)
