@@ -62,6 +62,17 @@ for spec_ in args.env:
 
 dev, hq, d, page, res = "cuda", 32, 128, 64, 128
 rows = []
+
+
+def save():
+    """Write every row measured so far (called after each shape and bit setting: a run cut by a time limit keeps
+    what it measured)."""
+    if args.out:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       timing="cuda graph replay" if args.graph else "eager launches (do_bench)", rows=rows),
+                  open(args.out, "w"), indent=1)
+
+
 for shape in args.shapes.split(","):
     b, hkv, ctx = map(int, shape.split("x"))
     q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
@@ -114,7 +125,5 @@ for shape in args.shapes.split(","):
             print(f"{shape:>12} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
                   f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}", flush=True)
         del pool
-if args.out:
-    json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   timing="cuda graph replay" if args.graph else "eager launches (do_bench)", rows=rows),
-              open(args.out, "w"), indent=1)
+        save()
+
