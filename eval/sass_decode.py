@@ -73,7 +73,7 @@ def loops(sass):
         lab = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", t)
         if lab and labels.get(lab.group(1), 1 << 30) < i:
             body = ins[labels[lab.group(1)]:i + 1]
-            yield len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body)
+            yield len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body), body
 
 
 def spill_count(ops: collections.Counter) -> int:
@@ -85,7 +85,10 @@ def main():
     const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
                  VASM=True, BF16=False, VW32=True)
     const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
-    k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", 3)),
+    st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
+    const.setdefault("PSTAGES", st["PSTAGES"])
+    const.setdefault("RSTAGES", st["RSTAGES"])
+    k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
     with tempfile.TemporaryDirectory() as tmp:
         cub = os.path.join(tmp, "k.cubin")
@@ -98,22 +101,27 @@ def main():
             with open(f"{os.environ['DUMP']}.{ext}", "w") as f:
                 f.write(sass if key is None else k.asm[key])
     print(const)
+    smem = k.metadata.shared  # bytes of shared memory per program (Triton's pipeline buffers and layout scratch)
+    print(f"shared memory {smem} B per program: {min(228 * 1024 // max(smem, 1), 64)} programs per SM by shared memory")
     print(" ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)))
     codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
     found = list(loops(sass))
-    for n, c in found:
+    for n, c, _ in found:
         print(f"loop: {n} instructions per step; spills in loop {spill_count(c)}; top: "
               + ", ".join(f"{k} {v}" for k, v in c.most_common(12)))
     print(f"(a step of the paged loop covers {const['BLOCK']} tokens = {codes} codes per lane with 1 warp)")
-    n, c = found[0]  # the paged loop comes first
+    n, c, body = found[0]  # the paged loop comes first
+    # cp.async.wait_group count at the top of the paged loop: 0 = each step waits for every copy in flight,
+    # including the next step's (no overlap of load latency with math); > 0 = the next step's copies stay in flight
+    waits = [int(w, 16) for w in re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", "\n".join(body))]
     spills = spill_count(c)
     total = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))  # spill instructions anywhere in the kernel
     reg = int(re.search(r"REG:(\d+)", res).group(1))
     # resident warps per SM (cuda_occupancy.h, sm_90): registers are allocated per warp in units of 256 from
     # each of the 4 sub-partitions' 16384: 4 * floor(16384 / roundup(32 * reg, 256)), at most 64
     warps_sm = min(64, 4 * (16384 // (-(-32 * reg // 256) * 256)))
-    print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
-                          spills_total=total, loop_spills=[spill_count(c_) for _, c_ in found], reg=reg, warps_per_sm=warps_sm,
+    print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills, shared=k.metadata.shared, loop_waits=waits,
+                          spills_total=total, loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
                           hmma=sum(v for k, v in c.items() if k.startswith("HMMA")))))
 
 

@@ -203,7 +203,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
-    VW32: tl.constexpr = False,
+    VW32: tl.constexpr = False, PSTAGES: tl.constexpr = 5, RSTAGES: tl.constexpr = 1,
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -281,7 +281,7 @@ def _decode_split_kernel(
             else:
                 lo = t_full
                 hi = t1
-            for start in range(lo, hi, BLOCK):
+            for start in tl.range(lo, hi, BLOCK, num_stages=PSTAGES if phase == 0 else 1):
                 page = tl.load(bt_ptr + b64 * s_btb + start // P).to(tl.int64)
                 tp = start % P + offs_t  # token slots in the page
                 if phase == 0:
@@ -393,7 +393,7 @@ def _decode_split_kernel(
         rv_b = rv_ptr + b64 * s_rvb + h * s_rvh
         offs_d = tl.arange(0, D)
         q = tl.load(q_col + offs_d[:, None], mask=gmask[None, :], other=0.0).to(tl.float32).to(DT)
-        for start in range(0, rlen, BLOCK_R):
+        for start in tl.range(0, rlen, BLOCK_R, num_stages=RSTAGES):
             tok = start + tl.arange(0, BLOCK_R)
             tvalid = tok < rlen
             kk = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
@@ -472,14 +472,28 @@ def _maxnreg(interp: bool, step: int) -> dict:
     return {} if interp or n <= 0 else {"maxnreg": n}
 
 
+def _stages(interp: bool) -> dict:
+    """Software-pipelining depth of the paged loop (``PSTAGES``, env ``KIVI_DECODE_STAGES``, default 5) and of
+    the residual-window loop (``RSTAGES``, ``KIVI_DECODE_RSTAGES``, default 1). The paged loop's page index
+    (block table) is itself a pipelined load that the code loads depend on, so with Triton 3.6 fewer than 5
+    stages make every step wait for *all* its copies (``cp.async.wait_group 0``: the load latency is exposed
+    once per step); at 5 the next step's codes stay in flight during this step's math (measured 3-10% faster
+    at batch >= 8, eval/NOTES.md session 5). The residual loop pipelined that deep spills, so it runs unpipelined."""
+    if interp:
+        return dict(PSTAGES=1, RSTAGES=1, num_stages=1)
+    p = int(os.environ.get("KIVI_DECODE_STAGES", 5))
+    return dict(PSTAGES=p, RSTAGES=int(os.environ.get("KIVI_DECODE_RSTAGES", 1)), num_stages=p)
+
+
 def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
     """Context splits per (sequence, KV head). The grid has ``bsz * hkv * (splits + 1)`` one-warp programs
     (the last split of each is the residual window); aim at ``KIVI_DECODE_FILL`` programs per SM in all,
     counted with that residual program so the last wave is not a small one, and at least
-    ``KIVI_DECODE_SPLIT_MIN`` (512) tokens per split."""
+    ``KIVI_DECODE_SPLIT_MIN`` (512) tokens per split. 24 per SM (three waves of the 8 resident programs)
+    measured best with the 5-stage pipeline (16 before it)."""
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
-    target = num_sms(device) * int(os.environ.get("KIVI_DECODE_FILL", 16))
+    target = num_sms(device) * int(os.environ.get("KIVI_DECODE_FILL", 24))
     by_fill = max(1, target // max(1, bsz * hkv) - 1)
     by_len = triton.cdiv(width_tokens, int(os.environ.get("KIVI_DECODE_SPLIT_MIN", 512)))
     return max(1, min(by_fill, by_len, 1024))
@@ -571,7 +585,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
         VASM=vasm, BF16=q.dtype == torch.bfloat16, VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero),
         num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)),
-        num_stages=1 if interp else int(os.environ.get("KIVI_DECODE_STAGES", 3)),
+        **_stages(interp),
         **_maxnreg(interp, blk),
     )
     bs = min(triton.next_power_of_2(ns + 1), 32)
