@@ -120,8 +120,9 @@ def main():
     # resident warps per SM (cuda_occupancy.h, sm_90): registers are allocated per warp in units of 256 from
     # each of the 4 sub-partitions' 16384: 4 * floor(16384 / roundup(32 * reg, 256)), at most 64
     warps_sm = min(64, 4 * (16384 // (-(-32 * reg // 256) * 256)))
-    print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills, shared=k.metadata.shared, loop_waits=waits,
-                          spills_total=total, loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
+    print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
+                          shared=k.metadata.shared, loop_waits=waits, spills_total=total,
+                          loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
                           hmma=sum(v for k, v in c.items() if k.startswith("HMMA")))))
 
 
