@@ -204,6 +204,14 @@ class Dev:
     def allocated(self):
         return torch.cuda.memory_allocated(self.device) if self.cuda else None
 
+    def alloc_counters(self) -> dict | None:
+        """Caching-allocator counters: ``num_alloc_retries`` counts allocations that failed, freed the cached
+        blocks and retried (slow: device frees and syncs; happens near the memory-fraction budget)."""
+        if not self.cuda:
+            return None
+        st = torch.cuda.memory_stats(self.device)
+        return {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
     def free(self):
         gc.collect()
         if self.cuda:
@@ -392,10 +400,13 @@ class StepTimer(StoppingCriteria):
     def __init__(self, dev: Dev):
         self.dev = dev
         self.times: list[float] = []
+        self.counters: list[dict | None] = []  # allocator counters at the first and the latest token
 
     def __call__(self, input_ids, scores, **kwargs):
         self.dev.sync()
         self.times.append(time.perf_counter())
+        c = self.dev.alloc_counters()
+        self.counters[1 if self.counters else 0:] = [c]
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -443,6 +454,9 @@ def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_c
             ctx["prefill_rate"] = max(ctx.get("prefill_rate") or 0.0, batch * prompt / res["ttft"])
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         res["step_timer"] = statistics.median(gaps) if gaps else None
+    if len(timer.counters) == 2 and timer.counters[0] is not None:  # during the decode steps only
+        a, b = timer.counters
+        res["decode_alloc"] = {k.removeprefix("num_"): b[k] - a[k] for k in a}
     if res["generated"] != new:
         raise RuntimeError(f"generate produced {res['generated']} tokens instead of {new}")
     if keep_cache:
@@ -1012,7 +1026,7 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
         return dict(row, **err, status="error")
     row.update(t_N_s=[res["t"]], t_trial_s=None if not tr else tr["t"], step_timer_s=res.get("step_timer"),
                ttft_s=res.get("ttft"), peak_bytes=res["peak"], prefill_chunk=res["prefill_chunk"],
-               **res.get("cache_stats", {}))
+               decode_alloc=res.get("decode_alloc"), **res.get("cache_stats", {}))
     maxbatch_rates(row, args.batch_new, args.trial_new)
     if dev.cuda and budget and res["peak"] and res["peak"] > budget:
         row["note"] = "peak above the budget: the memory fraction was not enforced"
@@ -1145,6 +1159,9 @@ def print_table(rows: list[dict]):
             status += ": " + r["error"][:70]
         elif r.get("note"):
             status += " (" + r["note"][:60] + ")"
+        retries = (r.get("decode_alloc") or {}).get("alloc_retries")
+        if retries:  # the allocator hit the budget while decoding: freed its cache and retried (slow steps)
+            status += f" [{retries} allocator retries while decoding]"
         log(f"{r['model']:<10} {r['case']:<8} {r['cache']:<12} {fmt(r.get('batch'), '>5'):>5} "
             f"{str(r['prompt']) + '+' + str(r['new']):>12} {fmt(r.get('decode_tok_s'), '9.1f'):>9} "
             f"{fmt(r.get('decode_step_ms'), '8.2f'):>8} {fmt(r.get('step_ms_timer'), '8.2f'):>8} "

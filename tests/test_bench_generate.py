@@ -313,3 +313,26 @@ def test_resume_continues_max_batch_rows_end_to_end(monkeypatch, tmp_path):
     k2 = rows["kivi-kv2"]
     assert k2["status"] == "ok" and k2["batch"] == 2 and k2["batch_given"] and not k2["search"], k2
     assert [c for c in calls if c[0] == "kivi-kv2"] == [("kivi-kv2", 1, 2), ("kivi-kv2", 2, 6)], calls
+
+
+def test_step_timer_keeps_allocator_counters_of_first_and_latest_token():
+    """The allocator-retry count of a max-batch row is the difference between the first and the last decode
+    token's counters (a budget-bound measurement shows as retries)."""
+    mod = _load()
+
+    class FakeDev:
+        n = 0
+
+        def sync(self):
+            pass
+
+        def alloc_counters(self):
+            self.n += 1
+            return {"num_alloc_retries": self.n * self.n, "num_device_alloc": self.n, "num_device_free": 0}
+
+    timer = mod.StepTimer(FakeDev())
+    ids = mod.torch.zeros(2, 3, dtype=mod.torch.long)
+    for _ in range(4):
+        assert not timer(ids, None).any()
+    assert len(timer.times) == 4
+    assert [c["num_alloc_retries"] for c in timer.counters] == [1, 16]
