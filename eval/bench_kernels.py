@@ -80,7 +80,7 @@ def copy_bandwidth(device, quick):
     nbytes = (1 << 22) if quick else (4 << 30)
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=device).uniform_()
     y = torch.empty_like(x)
-    ms = timer(device)(lambda: y.copy_(x))
+    ms = timer(device)(lambda x=x, y=y: y.copy_(x))
     del x, y
     return 2 * nbytes / (ms * 1e-3)
 
@@ -135,7 +135,8 @@ def verify(pool, q, rk, rv, rl, kb, vb, g, sm, slice_tokens):
 
 # ----------------------------------------------------------------------------- main
 
-def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_bytes, device, gen, tm, bw, rounds, quick):
+def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_bytes, device, gen, tm, bw, rounds,
+                 quick):
     q = torch.randn(b, hq, d, dtype=torch.float16, device=device, generator=gen)
     kf = torch.randn(b, hkv, ctx, d, dtype=torch.float16, device=device, generator=gen)
     vf = torch.randn(b, hkv, ctx, d, dtype=torch.float16, device=device, generator=gen)
@@ -195,7 +196,8 @@ def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "bench_kernels.json"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU interpreter smoke run")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--group-size", type=int, default=32)
@@ -291,7 +293,7 @@ def main():
         rl = torch.full((sb,), sctx - t_quant, dtype=torch.int32, device=device)
         a = decode_args(pool, q, rk, rv, rl, 4, 4, g, sm)
         err = verify(pool, q, rk, rv, rl, 4, 4, g, sm, 256 if quick else 4096)
-        ms = tm(lambda: KK.paged_decode_attention(*a))
+        ms = tm(lambda a=a: KK.paged_decode_attention(*a))
         nbytes = pool_bytes(pool, sb, skv, t_quant, d, ps, g, 4, 4, res, hq)
         sweep.append(dict(page_size=ps, batch=sb, kv_heads=skv, context=sctx, int4_ms=ms,
                           int4_TBps=nbytes / (ms * 1e-3) / 1e12, rel_err=err))
@@ -300,17 +302,20 @@ def main():
 
     # table
     log("")
-    log(f"{'B':>3} {'KV':>3} {'ctx':>7} | {'fp16 ms':>8} {'TB/s':>5} | {'int4 ms':>8} {'TB/s':>5} {'%bw':>4} {'x':>5} | "
+    log(f"{'B':>3} {'KV':>3} {'ctx':>7} | {'fp16 ms':>8} {'TB/s':>5} | "
+        f"{'int4 ms':>8} {'TB/s':>5} {'%bw':>4} {'x':>5} | "
         f"{'int2 ms':>8} {'TB/s':>5} {'%bw':>4} {'x':>5} | {'quant ms':>8} {'q/dec':>6}")
     for r in rows:
         if "skipped" in r:
             log(f"{r['batch']:>3} {r['kv_heads']:>3} {r['context']:>7} | skipped: {r['skipped']}")
             continue
-        log(f"{r['batch']:>3} {r['kv_heads']:>3} {r['context']:>7} | {r['fp16_sdpa_ms']:8.3f} {r['fp16_sdpa_TBps']:5.2f} | "
+        log(f"{r['batch']:>3} {r['kv_heads']:>3} {r['context']:>7} | "
+            f"{r['fp16_sdpa_ms']:8.3f} {r['fp16_sdpa_TBps']:5.2f} | "
             f"{r['int4_ms']:8.3f} {r['int4_TBps']:5.2f} {100 * r['int4_frac_copy_bw']:4.0f} {r['int4_speedup']:5.2f} | "
             f"{r['int2_ms']:8.3f} {r['int2_TBps']:5.2f} {100 * r['int2_frac_copy_bw']:4.0f} {r['int2_speedup']:5.2f} | "
             f"{r['quantize_and_write_ms']:8.4f} {r['quantize_frac_of_int4_decode']:6.3f}")
-    max_err = max([r.get(k, 0.0) for r in rows for k in ("int4_rel_err", "int2_rel_err", "int2_k4v2g64_rel_err")] + [s["rel_err"] for s in sweep])
+    max_err = max([r.get(k, 0.0) for r in rows for k in ("int4_rel_err", "int2_rel_err", "int2_k4v2g64_rel_err")]
+                  + [s["rel_err"] for s in sweep])
     log(f"max relative error vs reference over verified slices: {max_err:.2e}")
 
     save(True, page_size_sweep=sweep, max_rel_err=max_err)

@@ -104,7 +104,8 @@ def main():
         q4 = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
         kf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
         vf = torch.randn_like(kf)
-        t = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q4, kf, vf, enable_gqa=True))
+        t = bench(lambda q4=q4, kf=kf, vf=vf: torch.nn.functional.scaled_dot_product_attention(q4, kf, vf,
+                                                                                     enable_gqa=True))
         rec(batch=b, context=ctx, variant="sdpa-fp16", ms=t, tbps=2 * kf.numel() * 2 / t / 1e9)
         npg = ctx // page
         np_ = b * npg
@@ -121,7 +122,7 @@ def main():
         ns = max(1, min(triton.cdiv(132 * 8, b * hkv), ctx // 512))
         for block, warps, stages in [(32, 4, 3), (64, 4, 3)]:  # block <= page size
             try:
-                t = bench(lambda: fp16_paged(q, bt, lens, kp, vp, ns, block, warps, stages))
+                t = bench(lambda a=(q, bt, lens, kp, vp, ns, block, warps, stages): fp16_paged(*a))
                 rec(batch=b, context=ctx, variant=f"fp16-paged-b{block}-w{warps}", ms=t,
                     tbps=2 * kp.numel() * 2 / t / 1e9)
             except Exception as e:  # noqa: BLE001
@@ -139,13 +140,13 @@ def main():
             rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)
             rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
             nbytes = sum(x.numel() * x.element_size() for x in (kc, ks, ks, vc, vs, vs))
-            for name, kw, env in [("int%d" % bits, {}, {}), ("int%d-plain-unpack" % bits, {"_plain": True}, {}),
-                                  ("int%d-w2" % bits, {}, {"KIVI_DECODE_WARPS": "2"})]:
+            for name, kw, env in [(f"int{bits}", {}, {}), (f"int{bits}-plain-unpack", {"_plain": True}, {}),
+                                  (f"int{bits}-w2", {}, {"KIVI_DECODE_WARPS": "2"})]:
                 old = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
                 try:
-                    t = bench(lambda: KK.paged_decode_attention(q, bt2, l2, kc, ks, ks, vc, vs, vs, rk, rk, rl,
-                                                                bits, bits, g, 0.088, **kw))
+                    t = bench(lambda a=(q, bt2, l2, kc, ks, ks, vc, vs, vs, rk, rk, rl, bits, bits, g, 0.088), kw=kw:
+                              KK.paged_decode_attention(*a, **kw))
                     rec(batch=b, context=ctx, variant=name, ms=t, tbps=nbytes / t / 1e9)
                 except Exception as e:  # noqa: BLE001
                     print(name, "failed:", e)

@@ -32,7 +32,7 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
     q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
     kf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
     vf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)  # separate K and V (no L2 reuse)
-    t_sdpa = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+    t_sdpa = triton.testing.do_bench(lambda q=q, kf=kf, vf=vf: torch.nn.functional.scaled_dot_product_attention(
         q, kf, vf, enable_gqa=True), warmup=50, rep=300, return_mode="median")
     del kf, vf
     for kb, vb, g in BITS:
@@ -53,18 +53,20 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
             os.environ.update(KIVI_DECODE_WARPS=str(warps), KIVI_DECODE_STAGES=str(stages),
                               KIVI_DECODE_MAXNREG=str(maxnreg), KIVI_DECODE_STEP=str(step))
             try:
-                t = triton.testing.do_bench(lambda: KK.paged_decode_attention(
-                    q[:, :, 0], bt, lens, kc, ks, ks, vc, vs, vs, rk, rk, rl, kb, vb, g, 0.088, _plain=plain),
+                args_ = (q[:, :, 0], bt, lens, kc, ks, ks, vc, vs, vs, rk, rk, rl, kb, vb, g, 0.088)
+                t = triton.testing.do_bench(lambda a=args_, plain=plain: KK.paged_decode_attention(*a, _plain=plain),
                     warmup=50, rep=300, return_mode="median")
             except Exception as e:  # noqa: BLE001
-                print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} plain={plain}: "
+                print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} "
+                      f"plain={plain}: "
                       f"{type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             r = dict(batch=b, kv_heads=hkv, context=ctx, page=page, key_bits=kb, value_bits=vb, group=g,
                      warps=warps, stages=stages, maxnreg=maxnreg, step=step, plain=plain, ms=t, sdpa_ms=t_sdpa,
                      tbps=nbytes / t / 1e9, speedup=t_sdpa / t)
             rows.append(r)
-            print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} plain={plain}: {t:.4f} ms "
+            print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} "
+                  f"plain={plain}: {t:.4f} ms "
                   f"({r['tbps']:.2f} TB/s) sdpa {t_sdpa:.4f} ms -> {r['speedup']:.2f}x", flush=True)
         del kc, ks, vc, vs
 for k in ("WARPS", "STAGES", "MAXNREG", "STEP"):

@@ -70,13 +70,13 @@ def main(argv=None):
                            torch.tensor(slots, dtype=torch.int32, device=dev), *pool,
                            key_bits=kb, value_bits=vb, group_size=g)
     # the unquantized tail of each sequence: a full-precision window [B, Hkv, C, D]
-    c = max(1, max(n - q for n, q in zip(lengths, quant)))
+    c = max(1, max(n - q for n, q in zip(lengths, quant, strict=True)))
     res_k = torch.zeros(bsz, hkv, c, d, device=dev, dtype=dtype)
     res_v = torch.zeros_like(res_k)
-    for b, (n, q) in enumerate(zip(lengths, quant)):
+    for b, (n, q) in enumerate(zip(lengths, quant, strict=True)):
         res_k[b, :, :n - q] = keys[b][:, q:]
         res_v[b, :, :n - q] = values[b][:, q:]
-    res_lengths = torch.tensor([n - q for n, q in zip(lengths, quant)], dtype=torch.int32, device=dev)
+    res_lengths = torch.tensor([n - q for n, q in zip(lengths, quant, strict=True)], dtype=torch.int32, device=dev)
 
     # 4. one decode step: a query token per sequence attends to its pages and its window
     q_tok = torch.randn(bsz, hq, d, device=dev, dtype=dtype)

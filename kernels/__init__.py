@@ -14,8 +14,8 @@ import os
 def available() -> bool:
     """True when Triton kernels can run: a CUDA device, or the Triton interpreter (TRITON_INTERPRET=1)."""
     try:
-        import triton  # noqa: F401
         import torch
+        import triton  # noqa: F401
     except Exception:  # pragma: no cover - triton missing
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
