@@ -2,7 +2,8 @@
 
 Each implementation is a copy of the ``kernels`` package: ``--impl name=path/to/package_dir`` (the
 current ``kivi_cache.kernels`` is always ``cur``). Variants of ``cur`` run with environment settings
-(``--env name:KEY=VAL,KEY=VAL``). For every shape and bit setting: fp16 SDPA (baseline, separate K and V
+(``--env name:KEY=VAL,KEY=VAL``); a copy can have settings too (``--impl name=dir:KEY=VAL,...``).
+For every shape and bit setting: fp16 SDPA (baseline, separate K and V
 tensors), then every implementation/variant, in ``--rounds`` alternating rounds (medians of do_bench
 medians); outputs are compared with ``cur`` (relative max error printed). Pools, bytes (codes, scales and
 zeros, residual, q/out, block table) and kernel arguments come from ``bench_kernels.py``. Usage:
@@ -26,7 +27,7 @@ from bench_kernels import decode_args, make_pool, pool_bytes  # noqa: E402  (the
 from kivi_cache import kernels as cur  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--impl", action="append", default=[], help="name=package_dir")
+ap.add_argument("--impl", action="append", default=[], help="name=package_dir[:KEY=VAL,...]")
 ap.add_argument("--env", action="append", default=[], help="name:KEY=VAL[,KEY=VAL] variant of cur")
 ap.add_argument("--shapes", default="8x8x32768,32x8x32768,8x32x32768,1x8x131072,8x8x131072")
 ap.add_argument("--bits", default="4/4/32,2/2/32,4/2/64")
@@ -55,7 +56,8 @@ def load(name, path):
 impls = [("cur", cur, {})]
 for spec_ in args.impl:
     n, p = spec_.split("=", 1)
-    impls.append((n, load("ab_" + n, p), {}))
+    p, _, kv = p.partition(":")  # name=dir[:KEY=VAL,...]: that copy run under those settings
+    impls.append((n, load("ab_" + n, p), dict(x.split("=", 1) for x in kv.split(",")) if kv else {}))
 for spec_ in args.env:
     n, kv = spec_.split(":", 1)
     impls.append((n, cur, dict(x.split("=", 1) for x in kv.split(","))))
