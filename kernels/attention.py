@@ -22,8 +22,9 @@ SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): value
 shuffles; accumulators and q rows in ``odd_order``); value scales read as int32 words; value tiles
 reach the MMA as 2-wide operands; whole steps run in an unmasked copy of the loop. Each
 program writes its partial ``(max, sum, acc)`` to an fp32 workspace
-``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg``, default 128) for
-occupancy. ``_plain`` (no inline PTX) is for tests and ``eval/sweep_decode.py``.
+``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg`` 128) only for 32-token steps; the
+paged loop is software-pipelined 5 deep, the residual loop not at all (``_stages``: at fewer stages the
+loop waited for every copy each step). ``_plain`` (no inline PTX) is for tests and ``eval/sweep_decode.py``.
 
 Kernel 2 (``_decode_reduce_kernel``), grid ``(B * Hq,)``, merges the
 ``NS + 1`` partials with the log-sum-exp rule and writes ``out`` in q's dtype.
