@@ -136,7 +136,10 @@ def verify(pool, q, rk, rv, rl, kb, vb, g, sm, slice_tokens):
 # ----------------------------------------------------------------------------- main
 
 def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_bytes, device, gen, tm, bw, rounds,
-                 quick):
+                 quick, tm_graph=None, graph_below=0.0):
+    """One shape: every kernel timed with ``tm`` in alternating rounds (best round kept); with ``tm_graph``,
+    those faster than ``graph_below`` ms are also timed as CUDA-graph replays (``*_graph_ms``: GPU time
+    without the launch overhead that bounds small eager calls)."""
     q = torch.randn(b, hq, d, dtype=torch.float16, device=device, generator=gen)
     kf = torch.randn(b, hkv, ctx, d, dtype=torch.float16, device=device, generator=gen)
     vf = torch.randn(b, hkv, ctx, d, dtype=torch.float16, device=device, generator=gen)
@@ -184,6 +187,13 @@ def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_
         row[f"{name}_frac_copy_bw"] = nbytes / (ms * 1e-3) / bw
     for name in configs:
         row[f"{name}_speedup"] = row["fp16_sdpa_ms"] / row[f"{name}_ms"]
+    if tm_graph is not None:
+        for name, fn in fns.items():
+            if row[f"{name}_ms"] < graph_below:
+                row[f"{name}_graph_ms"] = tm_graph(fn)
+        for name in configs:
+            if f"{name}_graph_ms" in row and "fp16_sdpa_graph_ms" in row:
+                row[f"{name}_graph_speedup"] = row["fp16_sdpa_graph_ms"] / row[f"{name}_graph_ms"]
     row["quantize_frac_of_int4_decode"] = row["quantize_and_write_ms"] / row["int4_ms"]
     log(f"B={b:2d} KV={hkv:2d} ctx={ctx:6d}: fp16 {row['fp16_sdpa_ms']:.3f} ms "
         f"({row['fp16_sdpa_TBps']:.2f} TB/s) | int4 {row['int4_ms']:.3f} ms "
@@ -191,6 +201,10 @@ def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_
         f"int2 {row['int2_ms']:.3f} ms ({row['int2_TBps']:.2f} TB/s, x{row['int2_speedup']:.2f}, "
         f"err {row['int2_rel_err']:.1e}) | int2 k4v2g64 {row['int2_k4v2g64_ms']:.3f} ms "
         f"(x{row['int2_k4v2g64_speedup']:.2f}) | quant {row['quantize_and_write_ms']:.4f} ms")
+    graphed = [n for n in fns if f"{n}_graph_ms" in row]
+    if graphed:
+        log("    as CUDA graphs: " + ", ".join(f"{n} {row[n + '_graph_ms']:.3f} ms" for n in graphed)
+            + "".join(f" | {n} x{row[n + '_graph_speedup']:.2f}" for n in configs if n + "_graph_speedup" in row))
     return row
 
 
@@ -210,6 +224,9 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="time every kernel (SDPA too) inside a CUDA graph: GPU time without launch overhead, "
                          "as in compiled decoding; default: eager launches as in the eager cache")
+    ap.add_argument("--graph-below", type=float, default=0.3,
+                    help="eager runs: also time as CUDA graphs every kernel whose eager time is below this many ms "
+                         "(GPU time of the launch-bound small shapes, same run; 0 = off)")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -231,6 +248,7 @@ def main():
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
     tm = timer(device, args.graph)
+    tm_graph = timer(device, True) if device.type == "cuda" and not args.graph and args.graph_below > 0 else None
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     sm = 1.0 / math.sqrt(d)
@@ -270,7 +288,7 @@ def main():
                     continue
                 try:
                     bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_bytes, device, gen,
-                                 tm, bw, args.rounds, quick)
+                                 tm, bw, args.rounds, quick, tm_graph, args.graph_below)
                 except torch.OutOfMemoryError as e:  # pragma: no cover - recorded, not fatal
                     row["skipped"] = f"out of memory: {str(e).splitlines()[0]}"
                     log(f"skip B={b} KV={hkv} ctx={ctx}: {row['skipped']}")
