@@ -400,13 +400,13 @@ class StepTimer(StoppingCriteria):
     def __init__(self, dev: Dev):
         self.dev = dev
         self.times: list[float] = []
-        self.counters: list[dict | None] = []  # allocator counters at the first and the latest token
+        self.first_counters: dict | None = None  # allocator counters at the first token (read once: not per step)
 
     def __call__(self, input_ids, scores, **kwargs):
         self.dev.sync()
         self.times.append(time.perf_counter())
-        c = self.dev.alloc_counters()
-        self.counters[1 if self.counters else 0:] = [c]
+        if len(self.times) == 1:
+            self.first_counters = self.dev.alloc_counters()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -454,8 +454,8 @@ def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_c
             ctx["prefill_rate"] = max(ctx.get("prefill_rate") or 0.0, batch * prompt / res["ttft"])
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         res["step_timer"] = statistics.median(gaps) if gaps else None
-    if len(timer.counters) == 2 and timer.counters[0] is not None:  # during the decode steps only
-        a, b = timer.counters
+    if timer.first_counters is not None and len(stamps) > 1:  # from the first token to the end of generate
+        a, b = timer.first_counters, dev.alloc_counters()
         res["decode_alloc"] = {k.removeprefix("num_"): b[k] - a[k] for k in a}
     if res["generated"] != new:
         raise RuntimeError(f"generate produced {res['generated']} tokens instead of {new}")
