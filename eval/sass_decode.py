@@ -5,8 +5,10 @@ inner loop inspected: instructions per step by opcode, registers, spills. This i
 kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending device time.
 
     python eval/sass_decode.py [KEY=VALUE ...]   e.g. KBITS=2 VBITS=2 GP=4 G=32 D=128
-    env: W (warps, default 1), S (stages, 3), R (maxnreg, default KIVI_DECODE_MAXNREG or 0 = none; the kernel
-         caps 32-token steps at 128, which this script does not: pass R=128 there),
+    env: W (warps, default 1), S (num_stages; default the paged loop's depth as the launch sets it:
+         KIVI_DECODE_STAGES or 5; the consts PSTAGES=/RSTAGES= override the loops' depths),
+         R (maxnreg, default KIVI_DECODE_MAXNREG or 0 = none; the kernel caps 32-token steps at 128, which this
+         script does not: pass R=128 there),
          DUMP=prefix (write prefix.sass/.ptx/.ttgir)
     The last line printed is a JSON summary (used by tests/test_sass.py): spills = STL/LDL in the paged loop,
     spills_total = in the whole kernel, warps_per_sm = resident warps the registers allow (steps of 4 on sm_90:
@@ -121,7 +123,7 @@ def main():
     # each of the 4 sub-partitions' 16384: 4 * floor(16384 / roundup(32 * reg, 256)), at most 64
     warps_sm = min(64, 4 * (16384 // (-(-32 * reg // 256) * 256)))
     print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
-                          shared=k.metadata.shared, loop_waits=waits, spills_total=total,
+                          shared=smem, loop_waits=waits, spills_total=total,
                           loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
                           hmma=sum(v for k, v in c.items() if k.startswith("HMMA")))))
 
