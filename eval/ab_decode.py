@@ -43,7 +43,6 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-
 def load(name, path):
     spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
                                                   submodule_search_locations=[path])
@@ -70,9 +69,10 @@ def save():
     """Write every row measured so far (called after each shape and bit setting: a run cut by a time limit keeps
     what it measured)."""
     if args.out:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       timing="cuda graph replay" if args.graph else "eager launches (do_bench)", rows=rows),
-                  open(args.out, "w"), indent=1)
+        with open(args.out, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           timing="cuda graph replay" if args.graph else "eager launches (do_bench)", rows=rows),
+                      f, indent=1)
 
 
 for shape in args.shapes.split(","):
