@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kivi_cache import kernels as KK
-from kivi_cache.kernels.attention import _decode_reduce_kernel
+from kivi_cache.kernels.attention import decode_reduce
 
 
 @triton.jit
@@ -79,8 +79,7 @@ def fp16_paged(q, bt, lens, kp, vp, ns, block, warps, stages):
                                      q.stride(0), q.stride(1), bt.stride(0), kp.stride(0), kp.stride(1),
                                      kp.stride(2), GROUP=grp, GP=max(16, grp), D=d, P=p, BLOCK=block,
                                      num_warps=warps, num_stages=stages)
-    _decode_reduce_kernel[(b * hq,)](m, l_, o, out, ns, out.stride(0), out.stride(1), hq, D=d,
-                                     BS=min(triton.next_power_of_2(ns), 32), num_warps=4)
+    decode_reduce(m, l_, o, out, hq)
     return out
 
 

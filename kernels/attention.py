@@ -26,7 +26,7 @@ program writes its partial ``(max, sum, acc)`` to an fp32 workspace
 paged loop is software-pipelined 5 deep, the residual loop not at all (``_stages``: at fewer stages the
 loop waited for every copy each step). ``_plain`` (no inline PTX) is for tests and ``eval/sweep_decode.py``.
 
-Kernel 2 (``_decode_reduce_kernel``), grid ``(B * Hq,)``, merges the
+Kernel 2 (``_decode_reduce_kernel``, launched by ``decode_reduce``), grid ``(B * Hq, D / 32)``, merges the
 ``NS + 1`` partials with the log-sum-exp rule and writes ``out`` in q's dtype.
 
 NS is chosen from ``B * Hkv`` against the SM count and the block table's width
@@ -423,30 +423,45 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
-                          D: tl.constexpr, BS: tl.constexpr):
+                          D: tl.constexpr, DB: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
+    """Program (row, dc): channels ``[dc * DB, (dc + 1) * DB)`` of one (sequence, query head).
+    The global max and the sum of weights come from one load of all ``NSP1`` (<= BM) partial maxima,
+    so the accumulation loop has no running rescale and its loads do not wait on each other."""
     row = tl.program_id(0).to(tl.int64)
+    dc = tl.program_id(1)
     b = row // Hq
     hq = row % Hq
-    offs_d = tl.arange(0, D)
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    base = row * NSP1
+    offs_m = tl.arange(0, BM)
+    ok_m = offs_m < NSP1
+    m_all = tl.load(m_ws + base + offs_m, mask=ok_m, other=float("-inf"))
+    l_all = tl.load(l_ws + base + offs_m, mask=ok_m, other=0.0)
+    m_max = tl.max(m_all, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.sum(tl.exp2(m_all - m_safe) * l_all, axis=0)
+    offs_d = dc * DB + tl.arange(0, DB)
+    acc = tl.zeros([DB], tl.float32)
     for s0 in range(0, NSP1, BS):
         offs = s0 + tl.arange(0, BS)
         ok = offs < NSP1
-        m = tl.load(m_ws + row * NSP1 + offs, mask=ok, other=float("-inf"))
-        l = tl.load(l_ws + row * NSP1 + offs, mask=ok, other=0.0)
-        o = tl.load(o_ws + (row * NSP1 + offs)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp2(m_run - m_safe)
-        w = tl.exp2(m - m_safe)
-        l_run = l_run * a + tl.sum(w * l, axis=0)
-        acc = acc * a + tl.sum(w[:, None] * o, axis=0)
-        m_run = m_new
-    denom = tl.where(l_run > 0, l_run, 1.0)
-    res = acc / denom
+        w = tl.exp2(tl.load(m_ws + base + offs, mask=ok, other=float("-inf")) - m_safe)
+        o = tl.load(o_ws + (base + offs)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    res = acc / tl.where(l_sum > 0, l_sum, 1.0)
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
+    """Merge ``ws_*`` (``[B * Hq, NS + 1(, D)]`` fp32 partial max / sum / output) into ``out`` ``[B, Hq, D]``.
+    Grid ``(B * Hq, D / DB)``: batch 1 still gets ``Hq * D / 32`` programs (one per row was 32 serial
+    programs at batch 1, each looping over hundreds of splits)."""
+    rows, nsp1, d = ws_o.shape
+    db = min(d, int(os.environ.get("KIVI_REDUCE_DB", 32)))
+    bs = max(1, min(triton.next_power_of_2(nsp1), 4096 // db))
+    _decode_reduce_kernel[(rows, d // db)](
+        ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq,
+        D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4,
+    )
 
 
 def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
@@ -590,11 +605,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         **_stages(interp),
         **_maxnreg(interp, blk),
     )
-    bs = min(triton.next_power_of_2(ns + 1), 32)
-    _decode_reduce_kernel[(bsz * hq,)](
-        ws_m, ws_l, ws_o, out, ns + 1, out.stride(0), out.stride(1), hq,
-        D=d, BS=bs, num_warps=4,
-    )
+    decode_reduce(ws_m, ws_l, ws_o, out, hq)
     return out
 
 

@@ -231,6 +231,29 @@ def test_decode_num_splits(splits):
     run_decode(args, f"decode splits{splits}", num_splits=splits)
 
 
+@pytest.mark.parametrize("d,nsp1,dtype", [(64, 3, torch.float16), (128, 301, torch.float32),
+                                           (256, 130, torch.bfloat16)])
+def test_decode_reduce(d, nsp1, dtype):
+    # the merge of split partials alone, many splits (several loop rounds and a partial one), empty
+    # splits (-inf max, 0 sum, whatever output) and one all-empty row (-> 0); poisoned output
+    from kivi_cache.kernels.attention import decode_reduce
+    bsz, hq = 2, 3
+    m = torch.randn(bsz * hq, nsp1, device=DEV) * 4
+    m[:, ::7] = float("-inf")
+    m[-1] = float("-inf")
+    l_ = torch.rand(bsz * hq, nsp1, device=DEV) + 0.5
+    l_[m == float("-inf")] = 0.0
+    o = torch.randn(bsz * hq, nsp1, d, device=DEV)
+    out = torch.full((bsz, hq, d), float("nan"), device=DEV, dtype=dtype)
+    decode_reduce(m, l_, o, out, hq)
+    w = torch.exp2(m - m.amax(1, keepdim=True).nan_to_num(neginf=0.0)).nan_to_num(0.0)
+    den = (w * l_).sum(1, keepdim=True)
+    ref = ((w[..., None] * o).sum(1) / torch.where(den > 0, den, 1.0)).view(bsz, hq, d)
+    assert torch.isfinite(out).all(), "reduce left unwritten (NaN) outputs"
+    assert (out[-1, -1] == 0).all()
+    assert rel_err(out.float(), ref, f"reduce d{d} n{nsp1}") < TOL[dtype]
+
+
 def test_decode_head_dim_128():
     args = decode_case(1, 1, 2, 128, 64, 64, 4, 2, torch.float16, [128], [6])
     run_decode(args, "decode d128 g64")
