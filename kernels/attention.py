@@ -456,7 +456,9 @@ def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
     Grid ``(B * Hq, D / DB)``: batch 1 still gets ``Hq * D / 32`` programs (one per row was 32 serial
     programs at batch 1, each looping over hundreds of splits)."""
     rows, nsp1, d = ws_o.shape
-    db = min(d, int(os.environ.get("KIVI_REDUCE_DB", 32)))
+    # 32-channel programs while rows are few (batch 1: 16.8 -> 4.0 us at 257 splits); whole rows from 512
+    # rows on (1024 rows x 13 splits: 6.8 us split, 5.6 whole; eval/results/reduce_probe.json)
+    db = min(d, 32) if rows < 512 else d
     bs = max(1, min(triton.next_power_of_2(nsp1), 4096 // db))
     _decode_reduce_kernel[(rows, d // db)](
         ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq,
@@ -504,15 +506,25 @@ def _stages(interp: bool) -> dict:
 
 def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
     """Context splits per (sequence, KV head). The grid has ``bsz * hkv * (splits + 1)`` one-warp programs
-    (the last split of each is the residual window); aim at ``KIVI_DECODE_FILL`` programs per SM in all,
-    counted with that residual program so the last wave is not a small one, and at least
-    ``KIVI_DECODE_SPLIT_MIN`` (512) tokens per split. 24 per SM (three waves of the 8 resident programs)
-    measured best with the 5-stage pipeline (16 before it)."""
+    (the last split of each is the residual window); ``KIVI_DECODE_RESIDENT`` (8) of them fit on an SM at
+    once (registers and shared memory of the d=128 kernel), so ``slots = SMs * 8`` programs make one wave.
+    Waves: as many as splits of ``KIVI_DECODE_SPLIT_LONG`` (1024) tokens need, at most
+    ``KIVI_DECODE_FILL / RESIDENT`` (24 / 8 = 3); splits fill those waves, but none is shorter than
+    ``KIVI_DECODE_SPLIT_MIN`` (256) tokens. Measured (H200, CUDA graphs, session 6): batch 1 x 8 KV heads
+    at 128k runs one wave of 131 splits (0.063 ms, 2048 programs in two waves 0.067, three waves 0.075,
+    1.3 waves 0.074); at 32k and 8k, 256-token splits; from batch 8 x 8 KV heads at >= 32k three waves,
+    as the fill of 24 programs per SM before."""
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
-    target = num_sms(device) * int(os.environ.get("KIVI_DECODE_FILL", 24))
-    by_fill = max(1, target // max(1, bsz * hkv) - 1)
-    by_len = triton.cdiv(width_tokens, int(os.environ.get("KIVI_DECODE_SPLIT_MIN", 512)))
+    env = os.environ.get
+    resident = int(env("KIVI_DECODE_RESIDENT", 8))
+    slots = num_sms(device) * resident
+    pairs = max(1, bsz * hkv)
+    max_waves = max(1, int(env("KIVI_DECODE_FILL", 24)) // resident)
+    by_long = triton.cdiv(width_tokens, int(env("KIVI_DECODE_SPLIT_LONG", 1024)))
+    waves = min(max_waves, triton.cdiv(pairs * (by_long + 1), slots))
+    by_fill = max(1, waves * slots // pairs - 1)
+    by_len = triton.cdiv(width_tokens, int(env("KIVI_DECODE_SPLIT_MIN", 256)))
     return max(1, min(by_fill, by_len, 1024))
 
 

@@ -231,13 +231,13 @@ def test_decode_num_splits(splits):
     run_decode(args, f"decode splits{splits}", num_splits=splits)
 
 
-@pytest.mark.parametrize("d,nsp1,dtype", [(64, 3, torch.float16), (128, 301, torch.float32),
-                                           (256, 130, torch.bfloat16)])
-def test_decode_reduce(d, nsp1, dtype):
+@pytest.mark.parametrize("bsz,hq,d,nsp1,dtype", [(2, 3, 64, 3, torch.float16), (2, 3, 128, 301, torch.float32),
+                                                 (2, 3, 256, 130, torch.bfloat16), (128, 4, 64, 5, torch.float16)])
+def test_decode_reduce(bsz, hq, d, nsp1, dtype):
     # the merge of split partials alone, many splits (several loop rounds and a partial one), empty
-    # splits (-inf max, 0 sum, whatever output) and one all-empty row (-> 0); poisoned output
+    # splits (-inf max, 0 sum, whatever output) and one all-empty row (-> 0); poisoned output; 512 rows
+    # take the whole-row grid
     from kivi_cache.kernels.attention import decode_reduce
-    bsz, hq = 2, 3
     m = torch.randn(bsz * hq, nsp1, device=DEV) * 4
     m[:, ::7] = float("-inf")
     m[-1] = float("-inf")
