@@ -51,8 +51,19 @@ import triton.language as tl
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
-from .unpack import (fold_pairs_asm, fold_scale, odd_order, odd_pairs_asm, pack2, pack_channel_pairs, pairs_asm, plane,
-                     plane_emulated, plane_plain, value_pair_asm)
+from .unpack import (
+    fold_pairs_asm,
+    fold_scale,
+    odd_order,
+    odd_pairs_asm,
+    pack2,
+    pack_channel_pairs,
+    pairs_asm,
+    plane,
+    plane_emulated,
+    plane_plain,
+    value_pair_asm,
+)
 
 LOG2E = 1.4426950408889634
 
