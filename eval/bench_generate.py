@@ -365,8 +365,9 @@ def make_cache(name: str, model, batch: int, total_len: int, args, quanto_info: 
     cls = KIVI_CLASSES[name]
     if args.no_prealloc:
         return cls()
-    page = cls().quant_config.page_size
-    return cls(num_pages=batch * -(-total_len // page))
+    # exactly the pages `batch` sequences of total_len tokens need (session 6; before: batch * ceil(total_len /
+    # page), which also counted the tokens that stay in the full-precision window: ~2 pages per sequence)
+    return cls(max_batch_size=batch, max_cache_len=total_len)
 
 
 def cache_stats(name: str, cache, batch: int, shapes: dict) -> dict:
@@ -495,6 +496,8 @@ def med(xs):
 
 # settings under which a recorded max-batch trial is valid for a resumed search (and the trial's own "new")
 REUSE_SETTINGS = ("prefill_tokens", "no_prealloc", "no_expandable", "quanto_group", "quanto_residual")
+# how make_cache sizes a kivi pool; runs before session 6 (no such setting) sized it by total_len // page
+PREALLOC_RULE = "max_batch_size/max_cache_len"
 
 
 def row_rank(row: dict, keep_import: bool) -> float:
@@ -577,6 +580,9 @@ class Runner:
             return None, None
         src, args = self.pending_src[key], self.args
         diffs = [k for k in REUSE_SETTINGS if k in src["settings"] and src["settings"][k] != getattr(args, k)]
+        if (row.get("cache", "").startswith("kivi") and not args.no_prealloc
+                and src["settings"].get("prealloc_rule") != PREALLOC_RULE):
+            diffs.append("prealloc_rule")
         if row.get("budget_bytes") != budget:
             diffs.append("budget_bytes")
         if src.get("device") and src["device"].split(":")[0] != self.dev.device.type:
@@ -1391,6 +1397,7 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         triton_version = None
     settings = {k: v for k, v in vars(args).items()}
+    settings["prealloc_rule"] = PREALLOC_RULE
     runner.result = dict(
         meta=dict(gpu=gpu, device=str(device), dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
                   cuda=torch.version.cuda, transformers=transformers.__version__, triton=triton_version,

@@ -37,16 +37,34 @@ class QuantizedPagedCache(Cache):
         group_size: tokens per key group (per channel) and channels per value group (per token).
         residual_length: newest tokens kept in full precision.
         page_size: tokens per page (a multiple of group_size).
-        num_pages: pages to preallocate per layer (0: grow on demand).
+        num_pages: pages to preallocate per layer (0: grow on demand, by at least 1/8 of the pool, and
+            exactly what a prefill needs).
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
         config: optional model config, checked up front for unsupported attention (sliding windows).
+        max_batch_size, max_cache_len: give both to preallocate exactly the pages ``max_batch_size``
+            sequences of up to ``max_cache_len`` tokens (prompt + new) need (instead of ``num_pages``):
+            what to do under a memory limit, as for transformers' ``StaticCache``. Longer or more
+            sequences still work; the pool then grows.
     """
 
     def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 32, residual_length: int = 128,
-                 page_size: int = 64, num_pages: int = 0, sink_length: int = 0, config=None):
-        self.quant_config = QuantConfig(key_bits=key_bits, value_bits=value_bits, group_size=group_size,
-                                        residual_length=residual_length, page_size=page_size, num_pages=num_pages,
-                                        sink_length=sink_length)
+                 page_size: int = 64, num_pages: int = 0, sink_length: int = 0, config=None,
+                 max_batch_size: int | None = None, max_cache_len: int | None = None):
+        if (max_batch_size is None) != (max_cache_len is None):
+            raise ValueError("give max_batch_size and max_cache_len together (both or neither), got "
+                             f"max_batch_size={max_batch_size!r}, max_cache_len={max_cache_len!r}")
+        quant_config = QuantConfig(key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                                   residual_length=residual_length, page_size=page_size, num_pages=num_pages,
+                                   sink_length=sink_length)
+        if max_batch_size is not None:
+            if num_pages:
+                raise ValueError(f"give either num_pages ({num_pages}) or max_batch_size/max_cache_len, not both")
+            for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            pages = max_batch_size * quant_config.pages_per_sequence(max_cache_len)
+            quant_config = QuantConfig(**dict(quant_config.to_dict(), num_pages=pages))
+        self.quant_config = quant_config
         if config is not None:
             _check_model_config(config)
         super().__init__(layers=[])

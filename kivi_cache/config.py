@@ -72,5 +72,13 @@ class QuantConfig:
                     f"which must then be a multiple of {per_byte}; got head_dim={head_dim}"
                 )
 
+    def pages_per_sequence(self, max_len: int) -> int:
+        """Pages one sequence of up to ``max_len`` cached tokens needs: the whole key groups beyond the
+        sinks and the residual window (at least ``residual_length`` tokens stay there), in whole pages."""
+        _check_int("max_len", max_len, 0)
+        g = self.group_size
+        quantized = max(0, max_len - self.residual_length - self.sink_length) // g * g
+        return -(-quantized // self.page_size)
+
     def to_dict(self) -> dict:
         return asdict(self)

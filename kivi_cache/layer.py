@@ -225,6 +225,11 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self._write_groups(items)
         self._dev = None
 
+    def _reserve_pages(self, counts) -> None:
+        """Grow the pool once for a step: ``counts`` = (sequence, tokens to quantize) pairs."""
+        p = self.cfg.page_size
+        self.pool.reserve(sum(max(0, -(-(self.q_lens[i] + c) // p) - len(self.tables[i])) for i, c in counts))
+
     def _reserve(self, i: int, c: int, pages: list, slots: list) -> None:
         """Page and slot of each of sequence ``i``'s next ``c // G`` groups (pages allocated as needed)."""
         g, p, pool = self.cfg.group_size, self.cfg.page_size, self.pool
@@ -254,6 +259,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
             return
         g = self.cfg.group_size
         pages, slots, ks, vs = [], [], [], []
+        self._reserve_pages((i, kc.shape[1]) for i, kc, _ in items)
         for i, kc, vc in items:
             c = kc.shape[1]
             self._reserve(i, c, pages, slots)
@@ -267,6 +273,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         b, h, c, d = kc.shape
         g = self.cfg.group_size
         pages, slots = [], []
+        self._reserve_pages((i, c) for i in range(b))
         for i in range(b):
             self._reserve(i, c, pages, slots)
 

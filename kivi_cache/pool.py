@@ -54,9 +54,21 @@ class PagePool:
         self.refcount.extend([0] * extra)
         self.capacity = new_capacity
 
+    def _grow_for(self, deficit: int) -> None:
+        """Grow by ``deficit`` pages, at least 1/8 of the capacity (and 16): a prefill that reserves
+        its pages first gets exactly them, small later steps amortize the copy that growing costs (the
+        pool is one tensor per kind for the kernels: growing concatenates). Doubling, as before, left up
+        to half of a large pool unused -- memory a batch near the budget could not use."""
+        self._grow(self.capacity + max(deficit, self.capacity // 8, 16))
+
+    def reserve(self, n: int) -> None:
+        """Make sure ``n`` pages can be allocated without growing one page at a time."""
+        if n > len(self.free):
+            self._grow_for(n - len(self.free))
+
     def allocate(self) -> int:
         if not self.free:
-            self._grow(max(16, 2 * self.capacity))
+            self._grow_for(1)
         page = self.free.pop()
         self.refcount[page] = 1
         return page

@@ -258,6 +258,12 @@ def test_max_batch_search_resumes_from_recorded_trials(monkeypatch, tmp_path):
     assert prior is None and "prefill_tokens" in note
     runner.pending_src["k"]["settings"]["prefill_tokens"] = args.prefill_tokens
     assert runner.prior_search("k", budget)[0]["search"] == recorded
+    # a kivi row's trials from a run that sized pools by another rule (before session 6) are not reused
+    runner.pending["k"] = dict(search=recorded, budget_bytes=budget, cache="kivi-int4")
+    prior, note = runner.prior_search("k", budget)
+    assert prior is None and "prealloc_rule" in note
+    runner.pending_src["k"]["settings"]["prealloc_rule"] = mod.PREALLOC_RULE
+    assert runner.prior_search("k", budget)[0]["search"] == recorded
 
 
 def test_resume_continues_max_batch_rows_end_to_end(monkeypatch, tmp_path):
@@ -281,7 +287,8 @@ def test_resume_continues_max_batch_rows_end_to_end(monkeypatch, tmp_path):
         return dict(model="tiny", case="maxbatch", cache=cache, batch=None, prompt=48, new=6, status=status,
                     skip_reason="time budget", error="time budget (test)", search=search, **kw)
 
-    settings = dict(prefill_tokens=64, no_prealloc=False, no_expandable=False, quanto_group=64, quanto_residual=128)
+    settings = dict(prefill_tokens=64, no_prealloc=False, no_expandable=False, quanto_group=64, quanto_residual=128,
+                    prealloc_rule=mod.PREALLOC_RULE)
     meta = dict(started="earlier", device="cpu")
     oom4 = dict(batch=4, new=3, ok=False, error="OOM: fake", oom=True)
     out = tmp_path / "out.json"

@@ -265,6 +265,44 @@ def test_preallocated_pool_does_not_grow():
     assert cache.layers[0].pool.capacity == 8 and cache.layers[0].pool.pages_in_use == 8
 
 
+@pytest.mark.parametrize("prompt,total,sinks", [(40, 70, 0), (100, 157, 4), (19, 22, 0), (33, 64, 2), (60, 96, 0)])
+def test_max_batch_preallocation_is_enough_and_tight(prompt, total, sinks):
+    # max_batch_size/max_cache_len preallocate what a cache of that many tokens needs: the pool never grows,
+    # and holds at most one spare page per sequence at full length; 96 tokens: the last group opens a page
+    # (with one token less that page is not needed)
+    model = tiny_llama(layers=1)
+    b = 3
+    cache = QuantizedPagedCache(key_bits=4, value_bits=2, sink_length=sinks, max_batch_size=b, max_cache_len=total,
+                                **SMALL)
+    pages = cache.quant_config.num_pages
+    assert pages == b * cache.quant_config.pages_per_sequence(total)
+    stepwise_logits(model, torch.randint(0, 128, (b, total)), cache, prompt)
+    pool = cache.layers[0].pool
+    assert cache.layers[0].seen == total
+    assert pool.capacity == pages, "the preallocated pool grew"
+    assert pool.pages_in_use >= pages - b
+
+
+def test_generate_within_max_batch_preallocation():
+    model = tiny_llama(layers=1)
+    cache = kivi_cache.Int2PagedCache(group_size=16, page_size=32, residual_length=16, max_batch_size=2,
+                                      max_cache_len=90)
+    gen(model, torch.randint(0, 128, (2, 58)), cache)  # 58 + 32 new: 89 tokens cached
+    assert cache.layers[0].pool.capacity == cache.quant_config.num_pages > 0
+
+
+def test_pool_grows_by_what_a_step_needs_not_by_doubling():
+    model = tiny_llama(layers=1)
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    ids = torch.randint(0, 128, (5, 400))
+    with torch.no_grad():
+        model(ids[:, :300], **cache_kwargs(model, cache))
+    pool = cache.layers[0].pool
+    assert pool.capacity == pool.pages_in_use == 5 * -(-cache.layers[0].q_lens[0] // SMALL["page_size"])
+    stepwise_logits(model, ids[:, 300:], cache, 1)  # decode steps: growth by at least 1/8 (or 16 pages)
+    assert pool.pages_in_use <= pool.capacity <= pool.pages_in_use + max(16, pool.pages_in_use // 8 + 5)
+
+
 def test_memory_report_counts_bytes_exactly():
     model = tiny_llama(layers=2)
     cache = QuantizedPagedCache(key_bits=2, value_bits=4, **SMALL)

@@ -67,3 +67,25 @@ def test_sliding_window_config_refused():
     with pytest.raises(ValueError, match="layer_types"):
         QuantizedPagedCache(config=mixed)
     QuantizedPagedCache(config=Qwen2Config(num_hidden_layers=2))  # plain full attention is fine
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(max_batch_size=2), "max_batch_size and max_cache_len together"),
+    (dict(max_cache_len=100), "max_batch_size and max_cache_len together"),
+    (dict(max_batch_size=0, max_cache_len=100), r"max_batch_size must be an integer >= 1, got 0"),
+    (dict(max_batch_size=2, max_cache_len=2.5), r"max_cache_len must be an integer >= 1, got 2.5"),
+    (dict(max_batch_size=2, max_cache_len=100, num_pages=4), "either num_pages"),
+])
+def test_max_batch_arguments_validated(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Int4PagedCache(**kw)
+
+
+def test_pages_per_sequence_and_preallocation():
+    c = QuantConfig(group_size=32, residual_length=128, page_size=64, sink_length=4)
+    # whole 32-token groups beyond the 4 sinks and the 128-token window, in whole pages
+    assert [c.pages_per_sequence(n) for n in (0, 132, 163, 164, 228, 1088)] == [0, 0, 0, 1, 2, 15]
+    cache = Int4PagedCache(max_batch_size=892, max_cache_len=1088)
+    assert cache.quant_config.num_pages == 892 * 15
+    with pytest.raises(ValueError, match="max_len must be an integer >= 0"):
+        c.pages_per_sequence(-1)
