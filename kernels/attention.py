@@ -515,12 +515,36 @@ def _stages(interp: bool) -> dict:
     return dict(PSTAGES=p, RSTAGES=int(os.environ.get("KIVI_DECODE_RSTAGES", 1)), num_stages=p)
 
 
-def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
+# programs per SM of each compiled decode kernel, keyed by device and compile-time settings: read from the
+# kernel returned by its first launch (registers, shared memory, warps); until then RESIDENT_DEFAULT
+RESIDENT_DEFAULT = 8
+_RESIDENT: dict = {}
+
+
+def resident_programs(regs: int, shared: int, warps: int, sm_regs: int = 65536, sm_shared: int = 233472,
+                      sm_warps: int = 64, sm_blocks: int = 32) -> int:
+    """Programs of ``warps`` warps an SM holds at once (sm_80/sm_90 limits): registers are allocated per
+    warp in units of 256, each program's shared memory costs 1 KB more (reserved by the driver)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (sm_regs // per_warp) // warps if per_warp else sm_blocks
+    by_shared = sm_shared // (shared + 1024)
+    return max(1, min(by_regs, by_shared, sm_warps // warps, sm_blocks))
+
+
+def _resident_of(kernel) -> int | None:
+    try:
+        return resident_programs(int(kernel.n_regs), int(kernel.metadata.shared), int(kernel.metadata.num_warps))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _pick_splits(bsz: int, hkv: int, width_tokens: int, device, resident: int = RESIDENT_DEFAULT) -> int:
     """Context splits per (sequence, KV head). The grid has ``bsz * hkv * (splits + 1)`` one-warp programs
-    (the last split of each is the residual window); ``KIVI_DECODE_RESIDENT`` (8) of them fit on an SM at
-    once (registers and shared memory of the d=128 kernel), so ``slots = SMs * 8`` programs make one wave.
+    (the last split of each is the residual window); ``resident`` of them fit on an SM at once (from the
+    compiled kernel's registers and shared memory: 8 for the one-warp d=128 kernel, 4 at d=256;
+    ``KIVI_DECODE_RESIDENT`` overrides), so ``slots = SMs * resident`` programs make one wave.
     Waves: as many as splits of ``KIVI_DECODE_SPLIT_LONG`` (1024) tokens need, at most
-    ``KIVI_DECODE_FILL / RESIDENT`` (24 / 8 = 3); splits fill those waves, but none is shorter than
+    ``KIVI_DECODE_FILL / resident`` (24 / 8 = 3); splits fill those waves, but none is shorter than
     ``KIVI_DECODE_SPLIT_MIN`` (256) tokens. Measured (H200, CUDA graphs, session 6): batch 1 x 8 KV heads
     at 128k runs one wave of 131 splits (0.063 ms, 2048 programs in two waves 0.067, three waves 0.075,
     1.3 waves 0.074); at 32k and 8k, 256-token splits; from batch 8 x 8 KV heads at >= 32k three waves,
@@ -528,7 +552,7 @@ def _pick_splits(bsz: int, hkv: int, width_tokens: int, device) -> int:
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
     env = os.environ.get
-    resident = int(env("KIVI_DECODE_RESIDENT", 8))
+    resident = int(env("KIVI_DECODE_RESIDENT", 0)) or resident
     slots = num_sms(device) * resident
     pairs = max(1, bsz * hkv)
     max_waves = max(1, int(env("KIVI_DECODE_FILL", 24)) // resident)
@@ -592,22 +616,29 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     lengths = lengths.contiguous()
     res_lengths = res_lengths.contiguous()
     interp = interpreting()
-    ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device)
     block_tokens(p, group_size, 256)  # page-size check
     blk = _step_tokens(p, group_size, interp)
     if k_codes.shape[-1] % 4 or v_codes.shape[-1] % 4:
         raise ValueError("code rows must be a whole number of 32-bit words (head_dim * bits / 8 % 4 == 0)")
     blk_r = 64 if interp else (32 if d <= 128 else 16)
-    ws_m = torch.empty(bsz * hq, ns + 1, dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_o = torch.empty(bsz * hq, ns + 1, d, dtype=torch.float32, device=q.device)
     dot_f32 = (interp and not _force_half_dot) or q.dtype == torch.float32
     kw = k_codes.view(torch.int32)
     vw = v_codes.view(torch.int32)
     if kw.stride(2) != kw.shape[3] or vw.stride(2) != vw.shape[3] or v_scale.stride(2) != v_scale.shape[3]:
         raise ValueError("pool tensors must be contiguous within a page (token rows back to back)")
     vasm = not _plain and _use_asm(q.dtype, value_bits, dot_f32)
-    _decode_split_kernel[(bsz * hkv, ns + 1)](
+    meta = dict(GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
+                KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
+                KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
+                VASM=vasm, BF16=q.dtype == torch.bfloat16,
+                VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero), num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
+    rkey = (q.device.index, *meta.items())
+    ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
+                                    _RESIDENT.get(rkey, RESIDENT_DEFAULT))
+    ws_m = torch.empty(bsz * hq, ns + 1, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_o = torch.empty(bsz * hq, ns + 1, d, dtype=torch.float32, device=q.device)
+    kernel = _decode_split_kernel[(bsz * hkv, ns + 1)](
         q, block_table, lengths,
         kw, k_scale, k_zero, vw, v_scale, v_zero,
         res_k, res_v, res_lengths,
@@ -620,14 +651,10 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         v_scale.stride(0), v_scale.stride(1),
         res_k.stride(0), res_k.stride(1), res_k.stride(2),
         res_v.stride(0), res_v.stride(1), res_v.stride(2),
-        GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
-        KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
-        KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
-        VASM=vasm, BF16=q.dtype == torch.bfloat16, VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero),
-        num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)),
-        **_stages(interp),
-        **_maxnreg(interp, blk),
+        **meta,
     )
+    if rkey not in _RESIDENT and not interp:
+        _RESIDENT[rkey] = _resident_of(kernel) or RESIDENT_DEFAULT
     decode_reduce(ws_m, ws_l, ws_o, out, hq)
     return out
 

@@ -254,6 +254,27 @@ def test_decode_reduce(bsz, hq, d, nsp1, dtype):
     assert rel_err(out.float(), ref, f"reduce d{d} n{nsp1}") < TOL[dtype]
 
 
+def test_resident_programs_and_split_waves():
+    # occupancy from a compiled kernel's registers / shared memory / warps (sm_90 limits), as the split
+    # rule uses it: the d=128 one-warp kernel (241 registers, 25.6 KB) holds 8 per SM, two warps at 168
+    # registers 6, d=256 (47.6 KB shared) 4
+    from types import SimpleNamespace
+
+    from kivi_cache.kernels import attention as A
+    assert A.resident_programs(241, 25608, 1) == 8
+    assert A.resident_programs(168, 26120, 2) == 6
+    assert A.resident_programs(246, 47624, 1) == 4
+    assert A.resident_programs(32, 0, 1) == 32  # block limit
+    fake = SimpleNamespace(n_regs=168, metadata=SimpleNamespace(shared=26120, num_warps=2))
+    assert A._resident_of(fake) == 6 and A._resident_of(object()) is None
+    cuda = torch.device("cuda")
+    if torch.cuda.is_available() and not os.environ.get("KIVI_DECODE_RESIDENT"):
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        # batch 32 x 8 KV heads at 32k: three waves either way, so half the programs per SM = half the splits
+        assert A._pick_splits(32, 8, 32768, cuda, 4) == 3 * 4 * sms // 256 - 1
+        assert A._pick_splits(32, 8, 32768, cuda, 8) == 3 * 8 * sms // 256 - 1
+
+
 def test_decode_head_dim_128():
     args = decode_case(1, 1, 2, 128, 64, 64, 4, 2, torch.float16, [128], [6])
     run_decode(args, "decode d128 g64")
