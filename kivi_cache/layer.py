@@ -126,6 +126,17 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self._append_chunk(k, v, valid)
 
     def _append_one(self, k, v) -> None:
+        if self._uniform():  # no padding so far: one window length and sink count for all (O(1) list updates)
+            r0, s0, b = self.r_lens[0], self.sinks[0], self.batch_size
+            self.res_k[:, :, r0] = k[:, :, 0]
+            self.res_v[:, :, r0] = v[:, :, 0]
+            s0 = s0 + 1 if s0 < self.cfg.sink_length else s0  # the first tokens become sinks
+            self.r_lens, self.sinks = [r0 + 1] * b, [s0] * b
+            if self._dev is not None:
+                self._dev[2].add_(1)
+            if r0 + 1 - s0 >= self.cfg.residual_length + self.cfg.group_size:
+                self._flush_residual(list(range(b)))
+            return
         r = self.r_lens
         if min(r) == max(r):
             self.res_k[:, :, r[0]] = k[:, :, 0]
