@@ -18,7 +18,8 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
 
 Same stored values and attention as ``QuantizedPagedCache`` with the same settings (tested
 token for token). Not supported in static mode: beam search, cropping, several tokens per
-sequence after the prompt (assisted decoding), growing past ``max_cache_len``.
+sequence after the first decode step (assisted decoding), growing past ``max_cache_len``. A prompt may
+come in chunks (``generate(..., prefill_chunk_size=)``): each chunk is stored eagerly.
 Measured on an H200 (Llama-3-8B shape, batch 1, ``generate`` compiling the step with inductor and CUDA
 graphs): 8.8 ms a decode step at 1k context and 9.7 ms at 32k, against 7.8 / 18.4 ms for transformers'
 compiled ``StaticCache`` and ~40-48 ms for eager caches (``eval/results/bench_generate_static*.json``).
@@ -75,12 +76,16 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         super().__init__(cfg)
         self.max_cache_len = max_cache_len
         self.static = False
+        self.decoding = False  # a one-token step ran in static mode: no more prompt chunks
+        self.scratch = None
 
     def get_max_length(self) -> int:
         return self.max_cache_len
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
+        self.static = self.decoding = False
+        self.scratch = None
         need = key_states.shape[0] * -(-self.max_cache_len // self.cfg.page_size) + 1  # + the scratch page
         if self.pool.capacity < need:  # the whole pool at once: no doubling growth, nothing to copy later
             self.pool._grow(need)
@@ -97,7 +102,8 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         for table in self.tables:
             while len(table) < maxp:
                 table.append(self.pool.allocate())
-        self.scratch = self.pool.allocate()  # never read: target of groups that are not full
+        if self.scratch is None:  # a later prompt chunk comes back here: one scratch page
+            self.scratch = self.pool.allocate()  # never read: target of groups that are not full
         self._dev = None
         bt, ql, rl = self._device_state()
         self.block_table, self.q_len, self.r_len = bt, ql.clone(), rl.clone()
@@ -116,8 +122,12 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                                  f"max_cache_len={self.max_cache_len} (prompt + new tokens)")
             return super().update(key_states, value_states, *args, **kwargs)
         if key_states.shape[2] != 1:
+            if not self.decoding:  # another chunk of the prompt (generate's prefill_chunk_size): eager again
+                self._to_dynamic()
+                return self.update(key_states, value_states, *args, **kwargs)
             raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step "
                              "is supported (no assisted decoding or chunked continuation); use QuantizedPagedCache")
+        self.decoding = True
         cfg, g, h, d = self.cfg, self.cfg.group_size, self.num_heads, self.head_dim
         dev = key_states.device
         rows = torch.arange(key_states.shape[0], device=dev)
@@ -149,6 +159,15 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self.seen_t.add_(1)
         return self.res_k, self.res_v
 
+    def _to_dynamic(self) -> None:
+        """Back to the eager bookkeeping before any decode step (a chunked prompt): the device state holds
+        the same lengths; the block tables keep their fixed pages, which the eager path fills in order."""
+        self.q_lens = self.q_len.tolist()
+        self.r_lens = self.r_len.tolist()
+        self.sinks = self.sink_len.tolist()
+        self.static = False
+        self._dev = None
+
     def attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         cfg = self.cfg
         out = torch.ops.kivi_cache.paged_decode_attention(
@@ -160,7 +179,8 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         return self.seen_t if self.static else self.seen
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        if self.static:
+        n = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length  # older: cache_position
+        if self.static and (self.decoding or n == 1):  # a later prompt chunk: the eager sizes
             return self.max_cache_len, 0
         return super().get_mask_sizes(query_length, *args)
 

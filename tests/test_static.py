@@ -11,10 +11,10 @@ from kivi_cache import QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwa
 CFG = dict(key_bits=4, value_bits=2, group_size=16, residual_length=16, page_size=32, sink_length=2)
 
 
-def _generate(model, ids, cache, n=30):
+def _generate(model, ids, cache, n=30, **kw):
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
-                              max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
@@ -70,6 +70,7 @@ def test_static_errors():
     cache = StaticQuantizedPagedCache(model, 96, **CFG)
     with torch.no_grad():
         model(ids, **cache_kwargs(model, cache))
+        model(ids[:, :1], **cache_kwargs(model, cache), cache_position=torch.tensor([40]))  # the first decode step
         with pytest.raises(ValueError, match="one token per sequence"):
             model(ids[:, :3], **cache_kwargs(model, cache))
     with pytest.raises(NotImplementedError, match="beam search"):
@@ -103,3 +104,18 @@ def test_static_with_left_padding_matches_dynamic():
                                   min_new_tokens=40, do_sample=False, pad_token_id=0)
 
     assert torch.equal(gen(StaticQuantizedPagedCache(model, 96, **CFG)), gen(QuantizedPagedCache(**CFG)))
+
+
+@pytest.mark.parametrize("chunk", [16, 24])
+def test_static_with_a_chunked_prompt_matches_dynamic(chunk):
+    """generate's prefill_chunk_size: the prompt arrives in chunks (eager, with flushes between them), then
+    the static decode; same tokens as the dynamic cache with the same chunks, and one scratch page."""
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 70), generator=torch.Generator().manual_seed(11))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG), n=20, prefill_chunk_size=chunk)
+    cache = StaticQuantizedPagedCache(model, 128, **CFG)
+    out = _generate(model, ids, cache, n=20, prefill_chunk_size=chunk)
+    assert torch.equal(out, ref)
+    layer = cache.layers[0]
+    assert layer.static and layer.decoding and layer.pool.capacity == 2 * (128 // 32) + 1
+    assert layer.pool.pages_in_use == 2 * (128 // 32) + 1  # every sequence's fixed pages + one scratch page
