@@ -355,7 +355,8 @@ def _decode_split_kernel(
                         e0, h0 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (c * W) // G, VBITS, BF16)
                         e1, h1, e2, h2, e3, h3 = e0, h0, e0, h0, e0, h0
                         if NV >= 2:
-                            e1, h1 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (DV + c * W) // G, VBITS, BF16)
+                            e1, h1 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (DV + c * W) // G, VBITS,
+                                                   BF16)
                         if NV == 4:
                             e2, h2 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (2 * DV + c * W) // G, VBITS,
                                                    BF16)
@@ -631,7 +632,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                 KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
                 KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
                 VASM=vasm, BF16=q.dtype == torch.bfloat16,
-                VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero), num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
+                VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero),
+                num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
     rkey = (q.device.index, *meta.items())
     ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
                                     _RESIDENT.get(rkey, RESIDENT_DEFAULT))

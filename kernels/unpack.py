@@ -206,8 +206,9 @@ def pairs_asm(words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7,
         return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
                                          dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON2, [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6,
-                                                     s7, z7], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON2,
+                                         [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7, z7],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit

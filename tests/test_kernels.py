@@ -113,7 +113,7 @@ def _check_quantized(pool_k, pool_r, kb, vb, g, pages, slots, tag):
         assert torch.equal(a.isnan(), b_.isnan()), f"{tag}: scale/zero written at the wrong places"
         torch.testing.assert_close(a.nan_to_num(), b_.nan_to_num(), rtol=0, atol=0)
     # codes: exact except at rounding ties (off by one step)
-    for cb, bits, a, b_ in ((kb, kb, kc_k, kc_r), (vb, vb, vc_k, vc_r)):
+    for bits, a, b_ in ((kb, kc_k, kc_r), (vb, vc_k, vc_r)):
         ua, ub = unpack(a, bits).int(), unpack(b_, bits).int()
         diff = (ua - ub).abs()
         assert diff.max() <= 1, f"{tag}: code differs by more than one step"
@@ -148,16 +148,17 @@ def test_quantize_and_write(kb, vb, dtype):
     step = kr.float().sub(kk.float()).abs().max().item()
     rel_err(kk.float(), orig_k, f"quant-roundtrip-k {kb}b {dtype}")
     # within one quantization step of the reference dequantization
-    assert step <= pool_r[1][3].float().max().item() * 1.01 + 1e-3 or step <= pool_r[1][5, :, 0].float().max().item() * 1.01
+    assert (step <= pool_r[1][3].float().max().item() * 1.01 + 1e-3
+            or step <= pool_r[1][5, :, 0].float().max().item() * 1.01)
 
 
 def test_quantize_and_write_empty():
     pool = make_pool(2, 1, 32, 64, 32, 4, 4, torch.float16)
     snap = [t.clone() for t in pool]
     e = torch.zeros(0, 1, 32, 64, device=DEV, dtype=torch.float16)
-    K.quantize_and_write(e, e, torch.zeros(0, device=DEV, dtype=torch.long), torch.zeros(0, device=DEV, dtype=torch.long),
-                         *pool, 4, 4, 32)
-    for a, b_ in zip(pool, snap):
+    none = torch.zeros(0, device=DEV, dtype=torch.long)
+    K.quantize_and_write(e, e, none, none, *pool, 4, 4, 32)
+    for a, b_ in zip(pool, snap, strict=True):
         assert torch.equal(a.nan_to_num(), b_.nan_to_num())
 
 
@@ -175,7 +176,7 @@ def test_dequantize_pages(kb, vb):
         out = (torch.full((3, h, t, d), float("nan"), device=DEV, dtype=torch.float16),
                torch.full((3, h, t, d), float("nan"), device=DEV, dtype=torch.float16))
         got = K.dequantize_pages(bt, lengths, *pool, kb, vb, g, max_len=max_len, out=out)
-        for a, b_ in zip(got, ref):
+        for a, b_ in zip(got, ref, strict=True):
             assert torch.isfinite(a).all()
             assert a.dtype == b_.dtype and a.shape == b_.shape
             torch.testing.assert_close(a.float(), b_.float(), rtol=1e-3, atol=1e-3)
@@ -188,7 +189,7 @@ def test_dequantize_pages_fp32_scales():
     pool = make_pool(np_, h, p, d, g, 4, 2, torch.float32)
     got = K.dequantize_pages(bt, lengths, *pool, 4, 2, g)
     ref = R.dequantize_pages(bt, lengths, *pool, 4, 2, g)
-    for a, b_ in zip(got, ref):
+    for a, b_ in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6)
 
 

@@ -52,7 +52,8 @@ def test_decode_kernel_three_stages_serialize_loads(monkeypatch):
 
 def test_decode_kernel_32_token_steps_fit_128_registers():
     """32-token steps (pages not a multiple of 64) run under a 128-register cap. Triton 3.6 (the GPU
-    image, where it was measured) spilled 5 instructions in the loop (4 since kernel-sass, 3.62 per code); newer Triton allocates differently
+    image, where it was measured) spilled 5 instructions in the loop (4 since kernel-sass, 3.62 per code); newer
+    Triton allocates differently
     (3.9: 35), so there only a loose bound guards against a blow-up."""
     import triton
 
