@@ -552,9 +552,14 @@ def _pick_splits(bsz: int, hkv: int, width_tokens: int, device, resident: int = 
     as the fill of 24 programs per SM before."""
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
+    return split_count(bsz, hkv, width_tokens, num_sms(device), resident)
+
+
+def split_count(bsz: int, hkv: int, width_tokens: int, sms: int, resident: int) -> int:
+    """The rule of :func:`_pick_splits` for ``sms`` SMs holding ``resident`` programs each (env overrides)."""
     env = os.environ.get
     resident = int(env("KIVI_DECODE_RESIDENT", 0)) or resident
-    slots = num_sms(device) * resident
+    slots = sms * resident
     pairs = max(1, bsz * hkv)
     max_waves = max(1, int(env("KIVI_DECODE_FILL", 24)) // resident)
     by_long = triton.cdiv(width_tokens, int(env("KIVI_DECODE_SPLIT_LONG", 1024)))

@@ -268,12 +268,26 @@ def test_resident_programs_and_split_waves():
     assert A.resident_programs(32, 0, 1) == 32  # block limit
     fake = SimpleNamespace(n_regs=168, metadata=SimpleNamespace(shared=26120, num_warps=2))
     assert A._resident_of(fake) == 6 and A._resident_of(object()) is None
-    cuda = torch.device("cuda")
-    if torch.cuda.is_available() and not os.environ.get("KIVI_DECODE_RESIDENT"):
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        # batch 32 x 8 KV heads at 32k: three waves either way, so half the programs per SM = half the splits
-        assert A._pick_splits(32, 8, 32768, cuda, 4) == 3 * 4 * sms // 256 - 1
-        assert A._pick_splits(32, 8, 32768, cuda, 8) == 3 * 8 * sms // 256 - 1
+
+
+
+@pytest.mark.parametrize("bsz,hkv,ctx,resident,splits", [
+    (1, 8, 131072, 8, 131),  # one wave of ~1000-token splits (measured best on the H200, 132 SMs)
+    (1, 8, 32768, 8, 128),  # 256-token splits, one wave
+    (1, 8, 8192, 8, 32),  # 256-token minimum
+    (1, 32, 131072, 8, 98),  # three waves (the fill of 24 per SM)
+    (8, 8, 32768, 8, 32),  # two waves of 1024-token splits
+    (8, 8, 131072, 8, 48),
+    (32, 8, 32768, 8, 11),
+    (32, 32, 4096, 8, 2),
+    (32, 8, 32768, 4, 11),  # d=256: 4 programs per SM; the fill (24 programs per SM) gives the same splits
+    (1, 8, 131072, 4, 131),  # 4 per SM: one wave is 66 splits, two waves of 1024-token splits
+])
+def test_split_count_rule(monkeypatch, bsz, hkv, ctx, resident, splits):
+    from kivi_cache.kernels import attention as A
+    for name in ("KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL", "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN"):
+        monkeypatch.delenv(name, raising=False)
+    assert A.split_count(bsz, hkv, ctx, 132, resident) == splits
 
 
 def test_decode_head_dim_128():
