@@ -532,10 +532,16 @@ def resident_programs(regs: int, shared: int, warps: int, sm_regs: int = 65536, 
     return max(1, min(by_regs, by_shared, sm_warps // warps, sm_blocks))
 
 
-def _resident_of(kernel) -> int | None:
+def _resident_of(kernel, device) -> int | None:
     try:
-        return resident_programs(int(kernel.n_regs), int(kernel.metadata.shared), int(kernel.metadata.num_warps))
-    except (AttributeError, TypeError, ValueError):
+        limits = {}
+        if device.type == "cuda":  # e.g. A100: 164 KB of shared memory per SM, H100/H200: 228 KB
+            props = torch.cuda.get_device_properties(device)
+            limits = dict(sm_shared=getattr(props, "shared_memory_per_multiprocessor", 233472),
+                          sm_warps=getattr(props, "max_threads_per_multi_processor", 2048) // 32)
+        return resident_programs(int(kernel.n_regs), int(kernel.metadata.shared), int(kernel.metadata.num_warps),
+                                 **limits)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
 
@@ -661,7 +667,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         **meta,
     )
     if rkey not in _RESIDENT and not interp:
-        _RESIDENT[rkey] = _resident_of(kernel) or RESIDENT_DEFAULT
+        _RESIDENT[rkey] = _resident_of(kernel, q.device) or RESIDENT_DEFAULT
     decode_reduce(ws_m, ws_l, ws_o, out, hq)
     return out
 

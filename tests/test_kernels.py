@@ -267,7 +267,9 @@ def test_resident_programs_and_split_waves():
     assert A.resident_programs(246, 47624, 1) == 4
     assert A.resident_programs(32, 0, 1) == 32  # block limit
     fake = SimpleNamespace(n_regs=168, metadata=SimpleNamespace(shared=26120, num_warps=2))
-    assert A._resident_of(fake) == 6 and A._resident_of(object()) is None
+    cpu = torch.device("cpu")
+    assert A._resident_of(fake, cpu) == 6 and A._resident_of(object(), cpu) is None
+    assert A.resident_programs(241, 25608, 1, sm_shared=167936) == 6  # A100: 164 KB of shared memory per SM
 
 
 
