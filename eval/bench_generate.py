@@ -23,7 +23,9 @@ Models are built from their configs with random fp16 weights directly on the GPU
   unpack instead (recorded in the JSON under ``meta.quanto.unpack``);
 * ``kivi-int4`` / ``kivi-int2``: ``Int4PagedCache`` / ``Int2PagedCache`` (group 32,
   residual 128, page 64), their page pools preallocated for the known final length
-  (``--no-prealloc``: grow on demand, as the library does by default).
+  (``max_batch_size``/``max_cache_len``: exactly the pages; ``--no-prealloc``: grow on demand, as the
+  library does by default); extra names: ``kivi-kv2`` (2/2 bits g32, 4 sinks), ``kivi-int4-r32`` and
+  ``kivi-kv2-r32`` (the same with a 32-token window: memory-lean, quality in eval/NOTES.md session 6).
 
 Cases, each a row per (model, cache):
 
@@ -147,12 +149,16 @@ CACHES = ("fp16", "kivi-int4", "kivi-int2", "quanto-int4", "quanto-int2")
 STATIC_CACHES = ("fp16-static", "kivi-int4-static")
 # opt-in: KIVI-2 proper, 2-bit keys and values (g32, 4 sinks; 0.375 B/element): the memory class of the
 # issue's "int2" (Int2PagedCache keeps 4-bit keys for retrieval quality, 0.4375 B/element)
-EXTRA_CACHES = ("kivi-kv2",)
+EXTRA_CACHES = ("kivi-kv2", "kivi-int4-r32", "kivi-kv2-r32")
 ALL_CACHES = CACHES + STATIC_CACHES + EXTRA_CACHES
 CASES = ("short", "long", "ctx", "maxbatch")
 KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
                 "kivi-kv2": functools.partial(QuantizedPagedCache, key_bits=2, value_bits=2, group_size=32,
-                                              residual_length=128, sink_length=4)}
+                                              residual_length=128, sink_length=4),
+                # memory-lean windows (session 6, SmolLM2: int4 R=32 +0.20% perplexity, 2/2 R=32 +6.56%)
+                "kivi-int4-r32": functools.partial(Int4PagedCache, residual_length=32),
+                "kivi-kv2-r32": functools.partial(QuantizedPagedCache, key_bits=2, value_bits=2, group_size=32,
+                                                  residual_length=32, sink_length=4)}
 # kernel names that would mean decode attention ran outside kivi_cache's kernels
 ATTENTION_LIKE = ("flash", "fmha", "sdpa", "scaled_dot_product", "attention", "attn", "efficient")
 
