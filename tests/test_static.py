@@ -119,3 +119,19 @@ def test_static_with_a_chunked_prompt_matches_dynamic(chunk):
     layer = cache.layers[0]
     assert layer.static and layer.decoding and layer.pool.capacity == 2 * (128 // 32) + 1
     assert layer.pool.pages_in_use == 2 * (128 // 32) + 1  # every sequence's fixed pages + one scratch page
+
+
+def test_static_with_a_chunked_left_padded_prompt_matches_dynamic():
+    model = tiny_qwen2()
+    ids = torch.randint(1, 100, (3, 70), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    mask[2, :33] = 0  # a sequence whose first chunks are all padding
+    ids[mask == 0] = 0
+
+    def gen(cache):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=30,
+                                  min_new_tokens=30, do_sample=False, pad_token_id=0, prefill_chunk_size=16)
+
+    assert torch.equal(gen(StaticQuantizedPagedCache(model, 128, **CFG)), gen(QuantizedPagedCache(**CFG)))
