@@ -90,7 +90,8 @@ def main():
     st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
-    k = compile_kernel(const, int(os.environ.get("W", 1)), int(os.environ.get("S", const["PSTAGES"])),
+    warps = int(os.environ.get("W", 1))
+    k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
     with tempfile.TemporaryDirectory() as tmp:
         cub = os.path.join(tmp, "k.cubin")
@@ -104,8 +105,10 @@ def main():
                 f.write(sass if key is None else k.asm[key])
     print(const)
     smem = k.metadata.shared  # bytes of shared memory per program (Triton's pipeline buffers and layout scratch)
-    print(f"shared memory {smem} B per program: {min(228 * 1024 // max(smem, 1), 64)} programs per SM by shared memory")
     print(" ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)))
+    reg = int(re.search(r"REG:(\d+)", res).group(1))
+    print(f"shared memory {smem} B per program; programs per SM (registers and shared memory, as the split "
+          f"rule counts them): {attention.resident_programs(reg, smem, warps)}")
     codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
     found = list(loops(sass))
     for n, c, _ in found:
@@ -118,10 +121,8 @@ def main():
     waits = [int(w, 16) for w in re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", "\n".join(body))]
     spills = spill_count(c)
     total = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))  # spill instructions anywhere in the kernel
-    reg = int(re.search(r"REG:(\d+)", res).group(1))
     # resident warps per SM (cuda_occupancy.h, sm_90): registers are allocated per warp in units of 256 from
-    # each of the 4 sub-partitions' 16384: 4 * floor(16384 / roundup(32 * reg, 256)), at most 64
-    warps_sm = min(64, 4 * (16384 // (-(-32 * reg // 256) * 256)))
+    warps_sm = attention.warps_by_registers(reg)
     print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
                           shared=smem, loop_waits=waits, spills_total=total,
                           loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,

@@ -522,12 +522,18 @@ RESIDENT_DEFAULT = 8
 _RESIDENT: dict = {}
 
 
+def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
+    """Warps an SM holds by registers alone (sm_80/sm_90): each of its 4 sub-partitions has a quarter of the
+    register file, allocated per warp in units of 256 registers; at most 64."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(64, 4 * (sm_regs // 4 // per_warp)) if per_warp else 64
+
+
 def resident_programs(regs: int, shared: int, warps: int, sm_regs: int = 65536, sm_shared: int = 233472,
                       sm_warps: int = 64, sm_blocks: int = 32) -> int:
-    """Programs of ``warps`` warps an SM holds at once (sm_80/sm_90 limits): registers are allocated per
-    warp in units of 256, each program's shared memory costs 1 KB more (reserved by the driver)."""
-    per_warp = -(-regs * 32 // 256) * 256
-    by_regs = (sm_regs // per_warp) // warps if per_warp else sm_blocks
+    """Programs of ``warps`` warps an SM holds at once (sm_80/sm_90 limits): registers as
+    :func:`warps_by_registers`, each program's shared memory costs 1 KB more (reserved by the driver)."""
+    by_regs = warps_by_registers(regs, sm_regs) // warps
     by_shared = sm_shared // (shared + 1024)
     return max(1, min(by_regs, by_shared, sm_warps // warps, sm_blocks))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .config import QuantConfig
+from .config import QuantConfig, _check_int
 from .layer import QuantizedPagedLayer
 from .memory import MemoryReport
 
@@ -59,9 +59,8 @@ class QuantizedPagedCache(Cache):
         if max_batch_size is not None:
             if num_pages:
                 raise ValueError(f"give either num_pages ({num_pages}) or max_batch_size/max_cache_len, not both")
-            for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            _check_int("max_batch_size", max_batch_size, 1)
+            _check_int("max_cache_len", max_cache_len, 1)
             pages = max_batch_size * quant_config.pages_per_sequence(max_cache_len)
             quant_config = QuantConfig(**dict(quant_config.to_dict(), num_pages=pages))
         self.quant_config = quant_config

@@ -128,17 +128,6 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self._append_chunk(k, v, valid)
 
     def _append_one(self, k, v) -> None:
-        if self._uniform():  # no padding so far: one window length and sink count for all (O(1) list updates)
-            r0, s0, b = self.r_lens[0], self.sinks[0], self.batch_size
-            self.res_k[:, :, r0] = k[:, :, 0]
-            self.res_v[:, :, r0] = v[:, :, 0]
-            s0 = s0 + 1 if s0 < self.cfg.sink_length else s0  # the first tokens become sinks
-            self.r_lens, self.sinks = [r0 + 1] * b, [s0] * b
-            if self._dev is not None:
-                self._dev[2].add_(1)
-            if r0 + 1 - s0 >= self.cfg.residual_length + self.cfg.group_size:
-                self._flush_residual(list(range(b)))
-            return
         r = self.r_lens
         if min(r) == max(r):
             self.res_k[:, :, r[0]] = k[:, :, 0]
@@ -148,13 +137,17 @@ class QuantizedPagedLayer(CacheLayerMixin):
             idx = self._device_state()[2].long()
             self.res_k[rows, :, idx] = k[:, :, 0]
             self.res_v[rows, :, idx] = v[:, :, 0]
-        self.r_lens = [x + 1 for x in r]
-        sink = self.cfg.sink_length
-        self.sinks = [x + 1 if x < sink else x for x in self.sinks]  # the first tokens become sinks
+        sink, limit, b = self.cfg.sink_length, self.cfg.residual_length + self.cfg.group_size, self.batch_size
+        if self._uniform():  # no padding so far: one window length and sink count for all (O(1) list updates)
+            s0 = self.sinks[0] + 1 if self.sinks[0] < sink else self.sinks[0]  # the first tokens become sinks
+            self.r_lens, self.sinks = [r[0] + 1] * b, [s0] * b
+            full = list(range(b)) if r[0] + 1 - s0 >= limit else []
+        else:
+            self.r_lens = [x + 1 for x in r]
+            self.sinks = [x + 1 if x < sink else x for x in self.sinks]
+            full = [i for i, x in enumerate(self.r_lens) if x - self.sinks[i] >= limit]
         if self._dev is not None:
             self._dev[2].add_(1)
-        limit = self.cfg.residual_length + self.cfg.group_size
-        full = [i for i, x in enumerate(self.r_lens) if x - self.sinks[i] >= limit]
         if full:
             self._flush_residual(full)
 
@@ -362,9 +355,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         return self.seen
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        if isinstance(query_length, torch.Tensor):  # older signature: cache_position
-            query_length = query_length.shape[0]
-        return self.seen + query_length, 0
+        return self.seen + query_len(query_length), 0
 
     def get_max_length(self) -> int:
         return -1
@@ -490,6 +481,11 @@ class QuantizedPagedLayer(CacheLayerMixin):
             "pages_in_use": pages_used,
             "fp16_equivalent": 2 * (live_q + live_r) * h * d * 2,
         }
+
+
+def query_len(query_length) -> int:
+    """``get_mask_sizes``'s first argument as a token count (older transformers pass ``cache_position``)."""
+    return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
 
 
 def _parse_mask(mask, n: int, batch: int, device):

@@ -31,7 +31,7 @@ import torch
 
 from . import ops
 from .cache import INT4_PRESET, QuantizedPagedCache
-from .layer import QuantizedPagedLayer
+from .layer import QuantizedPagedLayer, query_len
 
 # ----------------------------------------------------------------------------- custom ops
 
@@ -179,8 +179,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         return self.seen_t if self.static else self.seen
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        n = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length  # older: cache_position
-        if self.static and (self.decoding or n == 1):  # a later prompt chunk: the eager sizes
+        if self.static and (self.decoding or query_len(query_length) == 1):  # a later prompt chunk: the eager sizes
             return self.max_cache_len, 0
         return super().get_mask_sizes(query_length, *args)
 

@@ -266,6 +266,8 @@ def test_resident_programs_and_split_waves():
     assert A.resident_programs(168, 26120, 2) == 6
     assert A.resident_programs(246, 47624, 1) == 4
     assert A.resident_programs(32, 0, 1) == 32  # block limit
+    # per sub-partition: 140 registers fit 3 warps in each quarter of the file = 12 (the whole file: 14)
+    assert A.warps_by_registers(140) == 12 and A.resident_programs(140, 26120, 4) == 3
     fake = SimpleNamespace(n_regs=168, metadata=SimpleNamespace(shared=26120, num_warps=2))
     cpu = torch.device("cpu")
     assert A._resident_of(fake, cpu) == 6 and A._resident_of(object(), cpu) is None
