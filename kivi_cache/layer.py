@@ -129,7 +129,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     def _append_one(self, k, v) -> None:
         r = self.r_lens
-        if min(r) == max(r):
+        uniform = self._uniform()  # no padding so far: one window length and sink count for all
+        if uniform or min(r) == max(r):
             self.res_k[:, :, r[0]] = k[:, :, 0]
             self.res_v[:, :, r[0]] = v[:, :, 0]
         else:
@@ -138,7 +139,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self.res_k[rows, :, idx] = k[:, :, 0]
             self.res_v[rows, :, idx] = v[:, :, 0]
         sink, limit, b = self.cfg.sink_length, self.cfg.residual_length + self.cfg.group_size, self.batch_size
-        if self._uniform():  # no padding so far: one window length and sink count for all (O(1) list updates)
+        if uniform:  # O(1) list updates
             s0 = self.sinks[0] + 1 if self.sinks[0] < sink else self.sinks[0]  # the first tokens become sinks
             self.r_lens, self.sinks = [r[0] + 1] * b, [s0] * b
             full = list(range(b)) if r[0] + 1 - s0 >= limit else []
