@@ -573,11 +573,18 @@ class Runner:
                 if k not in best or row_rank(r, keep_import) > row_rank(best[k][0], keep_import):
                     best[k] = (r, src)
         for k, (r, src) in best.items():
-            if row_rank(r, keep_import) >= 3:
+            if row_rank(r, keep_import) >= 3 and not self.stale_pool(r, src):
                 self.kept[k] = r
             else:
                 self.pending[k], self.pending_src[k] = r, src
         return first
+
+    def stale_pool(self, row: dict, src: dict) -> bool:
+        """A finished kivi max-batch row of this run's caches whose pool was sized by another rule (runs
+        before session 6 preallocated ~2 spare pages per sequence): measured again, not kept."""
+        return (row.get("case") == "maxbatch" and row.get("cache", "").startswith("kivi")
+                and row.get("cache") in (self.args.caches or ()) and not self.args.no_prealloc
+                and src["settings"].get("prealloc_rule") != PREALLOC_RULE)
 
     def prior_search(self, key: str, budget) -> tuple[dict | None, str | None]:
         """The recorded search of an unfinished max-batch row, if its trials are valid here, else a note why not."""

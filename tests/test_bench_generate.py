@@ -322,6 +322,31 @@ def test_resume_continues_max_batch_rows_end_to_end(monkeypatch, tmp_path):
     assert [c for c in calls if c[0] == "kivi-kv2"] == [("kivi-kv2", 1, 2), ("kivi-kv2", 2, 6)], calls
 
 
+def test_resume_measures_again_kivi_rows_of_an_older_pool_rule(monkeypatch, tmp_path):
+    """A finished kivi max-batch row of a run whose pools were sized by another rule (no prealloc_rule: before
+    session 6) is searched and measured again; a finished fp16 row of the same file is kept as it is."""
+    mod = _load()
+    real = mod.run_generate
+    calls = []
+
+    def counting(ctx, cache, b, p, new, keep_cache=False, chunked=False, **kw):
+        calls.append((cache, chunked))
+        return real(ctx, cache, b, p, new, keep_cache=keep_cache, chunked=chunked, **kw)
+
+    monkeypatch.setattr(mod, "run_generate", counting)
+    old = dict(model="tiny", case="maxbatch", prompt=48, new=6, status="ok", batch=7, search=[])
+    src = tmp_path / "old.json"
+    src.write_text(json.dumps(dict(meta=dict(started="s3", device="cpu"), models={},
+                                   settings=dict(prefill_tokens=64, no_prealloc=False),
+                                   rows=[dict(old, cache="fp16"), dict(old, cache="kivi-int4")])))
+    out = tmp_path / "out.json"
+    mod.main(["--quick", "--device", "cpu", "--no-plot", "--cases", "maxbatch", "--caches", "fp16,kivi-int4",
+              "--resume-from", str(src), "--out", str(out), "--maxbatch-at", "kivi-int4:48:3"])
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["fp16"]["batch"] == 7 and ("fp16", True) not in calls, calls  # kept: no max-batch generate
+    assert rows["kivi-int4"]["status"] == "ok" and rows["kivi-int4"]["batch"] == 3 and ("kivi-int4", True) in calls
+
+
 def test_step_timer_reads_allocator_counters_once_at_the_first_token():
     """The allocator-retry count of a max-batch row is the difference between the first token's counters and
     those after generate (a budget-bound measurement shows as retries); the timed steps do not pay for
