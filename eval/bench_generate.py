@@ -39,7 +39,10 @@ Cases, each a row per (model, cache):
   probe batches give a linear memory model and a predicted maximum; the search doubles its
   step from there (from batch 1 with ``--no-predict``) until a trial runs out of memory,
   then bisects until the bracket is within ``--batch-tol`` (4 %). Trials generate
-  ``--trial-new`` (16) tokens. At the batch found it generates ``--batch-new`` (64) tokens.
+  ``--trial-new`` tokens, by default ``--batch-new`` (64): a trial then sizes the pools exactly as the
+  measurement does, and the fitting trial at the batch found *is* the measurement (``measured_in_search``;
+  no second million-token prefill, ~50-90 s saved per row on the H200). With a smaller ``--trial-new``
+  (runs before session 7 used 16) the batch found gets a separate ``--batch-new`` generate.
   Every trial is logged in the row's ``search`` (batch, fit or OOM, peak, time, step timer; an OOM
   also ``t_fail``, its time to the failure), and the row so far is written to the JSON after each
   trial (``skip_reason: "interrupted"`` until the row is finished), so a command killed mid-search
@@ -52,9 +55,9 @@ to 4k, 8 at longer prompts; triton compiles, cuBLAS and the allocator settle), t
 ``--repeats`` (2) measurements are interleaved across configurations, alternating their
 order. A measurement is ``generate`` with N new tokens (t_N) and with 1 new token (t_1):
 decode step = (t_N - t_1) / (N - 1), decode tokens/s = batch / decode step, prefill =
-t_1, medians over the repeats. For ``maxbatch`` the short run is the last fitting search
-trial at that batch: step = (t_N - t_trial) / (N - trial_new). A per-step timer (a
-stopping criterion that synchronizes and stamps each generated token) gives a second
+t_1, medians over the repeats. For ``maxbatch`` the step is the per-step timer's median (below);
+with ``--trial-new`` < ``--batch-new`` also (t_N - t_trial) / (N - trial_new) (``decode_step_ms_tN``).
+A per-step timer (a stopping criterion that synchronizes and stamps each generated token) gives a second
 estimate, ``step_ms_timer`` (median step interval), and the time to first token. Peak
 memory is ``torch.cuda.max_memory_allocated`` of the t_N run (reset before each generate).
 KV bytes per token: measured from the cache after the t_N run (kivi:
@@ -914,7 +917,8 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
 
     def trial(b: int, new: int) -> dict | None:
         t0 = time.perf_counter()
-        res, err = attempt(lambda: run_generate(ctx, cache, b, p, new, chunked=True))
+        # a trial of --batch-new tokens keeps the cache's figures: the trial at the batch found is its measurement
+        res, err = attempt(lambda: run_generate(ctx, cache, b, p, new, chunked=True, keep_cache=new == args.batch_new))
         ran.append(b)
         entry = dict(batch=b, new=new, ok=err is None)
         if err:
@@ -1020,30 +1024,18 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
     if lo == 0:
         return dict(row, status="error", error="no batch fits the budget")
     tr = trials.get(lo)  # the last fitting trial at that batch (None: a given batch that was never tried)
-    # the throughput measurement at the batch found
-    if tr:
-        est = tr["t"] + (args.batch_new - args.trial_new) * (tr.get("step_timer") or 0.0)
+    if tr and tr.get("cache_stats") is not None:  # a trial of --batch-new tokens at lo: no second generate
+        res, err = tr, None
+        row["measured_in_search"] = True
     else:
-        rate, bl = ctx.get("prefill_rate"), largest_fit()
-        step = (trials[bl].get("step_timer") if bl else None) or 0.1
-        est = None if not rate else lo * p / rate + args.batch_new * step
-    if not ran:  # nothing of this cache ran in this row (recorded probes, a given batch): compile and settle first
-        t0 = time.perf_counter()
-        wb = min(lo, b1)
-        if not runner.fits_in_time((est or 0.0) + (est_time(wb) or 0.0)):
-            return dict(row, status="skipped", skip_reason="time budget",
-                        error=f"time budget: measurement at batch {lo} (~{est or 0:.0f} s) did not fit (use --resume)")
-        _, werr = attempt(lambda: run_generate(ctx, cache, wb, p, 2, chunked=True))
-        row["warmup"] = dict(batch=wb, new=2, t=time.perf_counter() - t0, error=None if not werr else werr["error"])
-    if not runner.fits_in_time(est):
-        return dict(row, status="skipped", skip_reason="time budget",
-                    error=f"time budget: measurement at batch {lo} (~{est or 0:.0f} s) did not fit (use --resume)")
-    res, err = attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True, chunked=True))
+        res, err = measure_at(runner, ctx, cache, p, lo, tr, row, ran, b1, largest_fit, est_time, trials)
+        if res is None and err is None:
+            return row  # skipped for time (the row says so)
     if err and given is not None and err["oom"]:  # not a finished row: a later --resume can still search
         return dict(row, **err, status="skipped", skip_reason="given batch OOM")
     if err:
         return dict(row, **err, status="error")
-    row.update(t_N_s=[res["t"]], t_trial_s=None if not tr else tr["t"], step_timer_s=res.get("step_timer"),
+    row.update(t_N_s=[res["t"]], t_trial_s=None if not tr or tr is res else tr["t"], step_timer_s=res.get("step_timer"),
                ttft_s=res.get("ttft"), peak_bytes=res["peak"], prefill_chunk=res["prefill_chunk"],
                decode_alloc=res.get("decode_alloc"), **res.get("cache_stats", {}))
     maxbatch_rates(row, args.batch_new, args.trial_new)
@@ -1051,6 +1043,33 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
         row["note"] = "peak above the budget: the memory fraction was not enforced"
     row["status"] = "ok"
     return row
+
+
+def measure_at(runner, ctx, cache, p, lo, tr, row, ran, b1, largest_fit, est_time, trials):
+    """The throughput generate of a max-batch row at batch ``lo`` (``--batch-new`` tokens, after a warm-up when
+    nothing of this cache ran in the row). Returns (result, error); (None, None) when it did not fit the time
+    left (``row`` is then marked skipped)."""
+    args = runner.args
+    if tr:
+        est = tr["t"] + (args.batch_new - args.trial_new) * (tr.get("step_timer") or 0.0)
+    else:
+        rate, bl = ctx.get("prefill_rate"), largest_fit()
+        step = (trials[bl].get("step_timer") if bl else None) or 0.1
+        est = None if not rate else lo * p / rate + args.batch_new * step
+    skipped = dict(status="skipped", skip_reason="time budget",
+                   error=f"time budget: measurement at batch {lo} (~{est or 0:.0f} s) did not fit (use --resume)")
+    if not ran:  # nothing of this cache ran in this row (recorded probes, a given batch): compile and settle first
+        t0 = time.perf_counter()
+        wb = min(lo, b1)
+        if not runner.fits_in_time((est or 0.0) + (est_time(wb) or 0.0)):
+            row.update(skipped)
+            return None, None
+        _, werr = attempt(lambda: run_generate(ctx, cache, wb, p, 2, chunked=True))
+        row["warmup"] = dict(batch=wb, new=2, t=time.perf_counter() - t0, error=None if not werr else werr["error"])
+    if not runner.fits_in_time(est):
+        row.update(skipped)
+        return None, None
+    return attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True, chunked=True))
 
 
 def maxbatch_rates(row: dict, n: int, m: int) -> dict:
@@ -1323,7 +1342,9 @@ def parse_args(argv=None):
     ap.add_argument("--ctx-new", type=int, default=None, help="ctx case new tokens (8)")
     ap.add_argument("--batch-prompts", default=None, help="maxbatch prompts (1024,4096)")
     ap.add_argument("--batch-new", type=int, default=None, help="new tokens of the max-batch measurement (64)")
-    ap.add_argument("--trial-new", type=int, default=None, help="new tokens of a max-batch search trial (16)")
+    ap.add_argument("--trial-new", type=int, default=None,
+                    help="new tokens of a max-batch search trial (default --batch-new: the trial at the batch found "
+                         "is then its measurement)")
     ap.add_argument("--budget-gb", type=float, default=80.0, help="GPU memory budget in GiB (80)")
     ap.add_argument("--batch-tol", type=float, default=0.04, help="relative precision of the max batch (0.04)")
     ap.add_argument("--max-batch-cap", type=int, default=None, help="largest batch tried (2048)")
@@ -1364,7 +1385,7 @@ def parse_args(argv=None):
              caches="fp16,kivi-int4,quanto-int4" if q else ",".join(CACHES), cases=",".join(CASES),
              prompt=48 if q else 1024, new=16 if q else 256, long_prompt=200 if q else 32768,
              long_new=4 if q else 64, ctx_prompts="96" if q else "4096,8192,16384", ctx_new=3 if q else 8,
-             batch_prompts="48" if q else "1024,4096", batch_new=6 if q else 64, trial_new=3 if q else 16,
+             batch_prompts="48" if q else "1024,4096", batch_new=6 if q else 64, trial_new=None,
              max_batch_cap=4 if q else 2048, repeats=1 if q else 2, time_budget=120.0 if q else 510.0,
              min_row_s=0.0 if q else 25.0, threads=1 if q else 0, prefill_tokens=64 if q else 65536)
     for k, v in d.items():
@@ -1375,7 +1396,7 @@ def parse_args(argv=None):
     args.cases = names(args.cases, CASES)
     args.ctx_prompts = ints(args.ctx_prompts)
     args.batch_prompts = ints(args.batch_prompts)
-    args.trial_new = max(1, min(args.trial_new, args.batch_new - 1)) if args.batch_new > 1 else 1
+    args.trial_new = max(1, min(args.trial_new or args.batch_new, args.batch_new))
     args.resume = args.resume or bool(args.resume_from)
     args.maxbatch_at = [parse_maxbatch_at(x, args) for x in args.maxbatch_at]
     return args

@@ -64,6 +64,9 @@ def test_rows_for_every_cache_and_case(quick_run):
     mb = [r for r in rows if r["case"] == "maxbatch" and r["status"] == "ok"]
     assert mb and all(r["batch"] == 4 and r["capped"] and r["search"] for r in mb)
     assert all(r["prefill_chunk"] == 16 for r in mb)  # chunked prefill: 64 tokens per forward over 4 sequences
+    # trials generate --batch-new tokens by default: the search's trial at the batch found is the measurement
+    assert all(r["measured_in_search"] and r["trial_new"] == r["new"] == 6 and r["t_trial_s"] is None for r in mb)
+    assert all(r["t_N_s"] == [r["search"][-1]["t"]] for r in mb if r["search"][-1]["batch"] == 4)
     # settings, environment, table
     meta = data["meta"]
     for key in ("torch", "transformers", "triton", "device", "quanto"):
@@ -301,7 +304,7 @@ def test_resume_continues_max_batch_rows_end_to_end(monkeypatch, tmp_path):
     other.write_text(json.dumps(dict(meta=meta, settings=settings, models={}, rows=[
         mb_row("fp16", "skipped", [fit(1, 41.0), fit(2, 42.0), fit(4, 44.0)])])))
     mod.main(["--quick", "--device", "cpu", "--no-plot", "--cases", "maxbatch", "--caches",
-              "fp16,kivi-int4,kivi-kv2", "--resume", "--resume-from", str(other), "--out", str(out),
+              "fp16,kivi-int4,kivi-kv2", "--resume", "--resume-from", str(other), "--out", str(out), "--trial-new", "3",
               "--maxbatch-at", "kivi-kv2:48:2"])
     rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"fp16", "kivi-int4", "kivi-kv2", "quanto-int2"}
