@@ -58,10 +58,14 @@ from .unpack import (
     odd_pairs_asm,
     pack2,
     pack_channel_pairs,
+    pair_emulated,
     pairs_asm,
     plane,
     plane_emulated,
     plane_plain,
+    plane_rows,
+    plane_token_tile,
+    unpack_half,
     value_pair_asm,
 )
 
@@ -202,6 +206,21 @@ def _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, grp: tl.constexpr, BIT
 
 
 @triton.jit
+def _fold_pair(sp, zp, i: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    """Scale pair ``i`` (int32: two tokens' fp16/bf16 scales) of the transposed value scales at ``sp``/``zp`` ([Wd]
+    pointers) -> (s pair, folded z pair) [1, Wd] int32, the fma operands of ``pairs_asm``."""
+    s = tl.load(sp + i)[None, :]
+    z = tl.load(zp + i)[None, :]
+    if ASM:
+        return fold_pairs_asm(s, z, BITS, BF16)
+    s_lo, s_hi = unpack_half(s, DT)
+    z_lo, z_hi = unpack_half(z, DT)
+    a, b = fold_scale(s_lo, z_lo, BITS, DT)
+    c, d = fold_scale(s_hi, z_hi, BITS, DT)
+    return pack2(a, c), pack2(b, d)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, bt_ptr, len_ptr,
     kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
@@ -216,7 +235,7 @@ def _decode_split_kernel(
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
     PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
-    VW32: tl.constexpr = False,
+    VW32: tl.constexpr = False, VT2: tl.constexpr = False,
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -349,7 +368,48 @@ def _decode_split_kernel(
                     if D // G >= 8:
                         sw2, zw2 = _value_words(vs_h, vz_h, row32, tvalid, 2)
                         sw3, zw3 = _value_words(vs_h, vz_h, row32, tvalid, 3)
-                for c in tl.static_range(NC):  # byte chunk c of the value rows: sub-tile c of every plane
+                if VT2:  # transposed value pages: [D channel rows, P tokens] codes, [D / G, P] scales
+                    TW: tl.constexpr = 32 // VBITS  # tokens per word
+                    ww = tl.arange(0, BLOCK // TW)
+                    wr = tl.arange(0, W)
+                    s32 = vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp) // 2 + (start % P) // 2
+                    z32 = vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp) // 2 + (start % P) // 2
+                    for c2 in tl.static_range(NW):  # value sub-tile c2: channels c2 * W + [0, W), one value group
+                        words = tl.load(vw_h + page * s_vcp + (c2 * W + wr)[:, None] * (P // TW)
+                                        + ((start % P) // TW + ww)[None, :])
+                        sp = s32 + ((c2 * W) // G) * (P // 2) + ww * (TW // 2)  # pair (k, q) at + 2k + q
+                        zp = z32 + ((c2 * W) // G) * (P // 2) + ww * (TW // 2)
+                        e00, h00 = _fold_pair(sp, zp, 0, VBITS, DT, BF16, VASM)
+                        e01, h01 = _fold_pair(sp, zp, 1, VBITS, DT, BF16, VASM)
+                        e10, h10 = _fold_pair(sp, zp, 2, VBITS, DT, BF16, VASM)
+                        e11, h11 = _fold_pair(sp, zp, 3, VBITS, DT, BF16, VASM)
+                        e20, h20, e21, h21, e30, h30, e31, h31 = e00, h00, e01, h01, e00, h00, e01, h01
+                        if NV == 4:
+                            e20, h20 = _fold_pair(sp, zp, 4, VBITS, DT, BF16, VASM)
+                            e21, h21 = _fold_pair(sp, zp, 5, VBITS, DT, BF16, VASM)
+                            e30, h30 = _fold_pair(sp, zp, 6, VBITS, DT, BF16, VASM)
+                            e31, h31 = _fold_pair(sp, zp, 7, VBITS, DT, BF16, VASM)
+                        if VASM:
+                            vp = pairs_asm(words, e00, h00, e01, h01, e10, h10, e11, h11, e20, h20, e21, h21, e30,
+                                           h30, e31, h31, VBITS, BF16, True)
+                        for k in tl.static_range(NV):
+                            if VASM:
+                                vt = plane_token_tile(vp[2 * k], vp[2 * k + 1], DT)
+                            else:
+                                f0, g0 = _pick4(k, e00, e10, e20, e30), _pick4(k, h00, h10, h20, h30)
+                                f1, g1 = _pick4(k, e01, e11, e21, e31), _pick4(k, h01, h11, h21, h31)
+                                vt = plane_token_tile(pair_emulated(words, k, 0, f0, g0, VBITS, DT, True),
+                                                      pair_emulated(words, k, 1, f1, g1, VBITS, DT, True), DT)
+                            if phase == 1:  # tokens past the end: their scales may be anything (0 * inf)
+                                it = tl.arange(0, BLOCK // NV)
+                                vt = tl.where((start + (it // 4) * TW + 4 * k + it % 4 < t1)[None, :], vt, 0.0)
+                            pv = tl.dot(vt, plane_rows(pd, k, NV), input_precision=PREC)
+                            if k == 0:
+                                pacc = pv
+                            else:
+                                pacc += pv
+                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(c2, pacc, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
+                for c in tl.static_range(0 if VT2 else NC):  # byte chunk c of the value rows: sub-tile c of every plane
                     vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
                     if VW32:
                         e0, h0 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (c * W) // G, VBITS, BF16)
@@ -426,7 +486,7 @@ def _decode_split_kernel(
     tl.store(m_ws + ws, m_i, mask=gmask)
     tl.store(l_ws + ws, l_i, mask=gmask)
     offs_o = offs_c
-    if HALF:  # the paged loop's value tiles hold their channels in odd_order (ODD pairs: no byte shuffles)
+    if HALF and not VT2:  # the paged loop's value tiles hold their channels in odd_order (ODD pairs: no byte shuffles)
         offs_o = tl.where(split < NS, odd_order(offs_c), offs_c)
     for gi in tl.static_range(NW):
         acc = _acc_get(gi, a0, a1, a2, a3, a4, a5, a6, a7)
@@ -650,6 +710,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                 KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
                 VASM=vasm, BF16=q.dtype == torch.bfloat16,
                 VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero),
+                VT2=os.environ.get("KIVI_DECODE_VT2", "0") == "1" and not dot_f32 and value_bits in (2, 4),
                 num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
     rkey = (q.device.index, *meta.items())
     ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,

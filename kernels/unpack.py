@@ -249,3 +249,59 @@ def plane_plain(words, k: tl.constexpr, s, z, BITS: tl.constexpr, DT: tl.constex
     c = (words[:, :, None] >> (8 * b + k * BITS)) & ((1 << BITS) - 1)
     v = (c.to(tl.float32) * s.to(tl.float32) + z.to(tl.float32)).to(DT)
     return tl.reshape(v, [words.shape[0], 4 * words.shape[1]])
+
+
+# ----------------------------------------------------------------------------- transposed value pages (VT2)
+# Value codes stored per page as channel rows with the codes packed along tokens: word w of a row holds tokens
+# T w .. T w + T - 1 (T = 32 // bits), byte p plane k holding token T w + 2 (p % 2 + 2 k) + p // 2, so that the
+# ODD unpack (pairs = bytes (q, q + 2)) gives registers of two consecutive tokens (the MMA operand's k-pairs).
+
+
+@triton.jit
+def _plane_tokens(p0, p1, DT: tl.constexpr):
+    """Pairs q = 0, 1 of one plane ([R, Wd] int32, halves h = tokens 2q + h of the plane's 4) -> [R, Wd, 4] DT."""
+    a0, a1 = unpack_half(p0, DT)
+    a2, a3 = unpack_half(p1, DT)
+    x = tl.permute(tl.join(tl.join(a0, a1), tl.join(a2, a3)), (0, 1, 3, 2))  # [R, Wd, q, h]
+    return tl.reshape(x, [p0.shape[0], p0.shape[1], 4])
+
+
+@triton.jit
+def token_tile(vp, BITS: tl.constexpr, DT: tl.constexpr):
+    """The ODD pairs of a transposed word tile (``pairs_asm(..., ODD=True)`` outputs, plane-major) -> [R, T Wd] DT
+    in natural token order (token T w + 4 k + 2 q + h)."""
+    if BITS == 4:
+        x = tl.join(_plane_tokens(vp[0], vp[1], DT), _plane_tokens(vp[2], vp[3], DT))  # [R, Wd, 4, k]
+        x = tl.permute(x, (0, 1, 3, 2))
+    else:
+        x = tl.join(tl.join(_plane_tokens(vp[0], vp[1], DT), _plane_tokens(vp[2], vp[3], DT)),
+                    tl.join(_plane_tokens(vp[4], vp[5], DT), _plane_tokens(vp[6], vp[7], DT)))  # [R, Wd, 4, k0, k1]
+        x = tl.permute(x, (0, 1, 4, 3, 2))
+    return tl.reshape(x, [x.shape[0], x.shape[1] * (32 // BITS)])
+
+
+@triton.jit
+def plane_token_tile(p0, p1, DT: tl.constexpr):
+    """One plane's ODD pairs of a transposed word tile ([R, Wd] int32 each) -> [R, 4 Wd] DT: the plane's tokens
+    T w + 4 k + j in order of (w, j) (a strided subset of the step's tokens; ``plane_rows`` picks P's rows)."""
+    x = _plane_tokens(p0, p1, DT)
+    return tl.reshape(x, [x.shape[0], x.shape[1] * 4])
+
+
+@triton.jit
+def plane_rows(p, k: tl.constexpr, NP: tl.constexpr):
+    """Rows T w + 4 k + j of p [BLOCK, N] (T = 4 NP tokens per word) in order of (w, j): [BLOCK / NP, N]."""
+    if NP == 1:
+        return p
+    wd: tl.constexpr = p.shape[0] // (4 * NP)
+    if NP == 2:
+        x = tl.permute(tl.reshape(p, [wd, 2, 4, p.shape[1]]), (0, 2, 3, 1))
+        a, b = tl.split(x)
+        r = a if k == 0 else b
+    else:
+        x = tl.permute(tl.reshape(p, [wd, 2, 2, 4, p.shape[1]]), (0, 3, 4, 2, 1))  # [wd, j, N, k0, k1], k = 2 k1 + k0
+        lo, hi = tl.split(x)
+        y = lo if k // 2 == 0 else hi
+        a, b = tl.split(y)
+        r = a if k % 2 == 0 else b
+    return tl.reshape(r, [p.shape[0] // NP, p.shape[1]])

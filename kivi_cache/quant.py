@@ -124,3 +124,33 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     s = scale.float().repeat_interleave(group_size, dim=-1)
     z = zero.float().repeat_interleave(group_size, dim=-1)
     return (codes.float() * s + z).to(dtype or scale.dtype)
+
+
+def pack_tokens(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Transposed value layout (candidate ``KIVI_DECODE_VT2``): uint8 codes ``[..., C, T]`` (channel rows, T tokens,
+    T a multiple of ``32 // bits``) -> ``[..., C, T * bits // 8]``. Word w of a row (4 bytes) holds tokens
+    ``tw * w .. tw * w + tw - 1`` (``tw = 32 // bits``); byte p, bit field k holds token
+    ``tw * w + 2 * (p % 2 + 2 * k) + p // 2``, so that the decode kernel's ODD unpack (bytes q and q + 2 of a
+    word) gives two consecutive tokens."""
+    n = 8 // bits
+    tw = 4 * n
+    *lead, c, t = codes.shape
+    x = codes.to(torch.int32).reshape(*lead, c, t // tw, n, 2, 2)  # token = tw w + 4 k + 2 q + h
+    out = torch.zeros(*lead, c, t // tw, 4, dtype=torch.int32, device=codes.device)
+    for k in range(n):
+        for q in range(2):
+            for h in range(2):
+                out[..., q + 2 * h] |= x[..., k, q, h] << (k * bits)  # byte p = q + 2h
+    return out.to(torch.uint8).reshape(*lead, c, t * bits // 8)
+
+
+def transpose_value_pool(v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, bits: int):
+    """A value pool ``[pages, H, P, D * bits // 8]`` (token rows, planar) with ``[pages, H, P, D // G]`` scales/zeros
+    -> the transposed layout: codes ``[pages, H, D, P * bits // 8]`` (:func:`pack_tokens`), scales/zeros
+    ``[pages, H, D // G, P]``."""
+    codes = unpack(v_codes, bits).transpose(-1, -2)  # [pages, H, D, P]
+
+    def fresh(x):  # canonical strides even for a size-1 dimension (D // G == 1)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+    return fresh(pack_tokens(codes, bits)), fresh(v_scale.transpose(-1, -2)), fresh(v_zero.transpose(-1, -2))
