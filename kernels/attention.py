@@ -206,11 +206,32 @@ def _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, grp: tl.constexpr, BIT
 
 
 @triton.jit
-def _fold_pair(sp, zp, i: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
-    """Scale pair ``i`` (int32: two tokens' fp16/bf16 scales) of the transposed value scales at ``sp``/``zp`` ([Wd]
-    pointers) -> (s pair, folded z pair) [1, Wd] int32, the fma operands of ``pairs_asm``."""
-    s = tl.load(sp + i)[None, :]
-    z = tl.load(zp + i)[None, :]
+def _pair_columns(p, WD: tl.constexpr, NV: tl.constexpr):
+    """One load of a step's scale pairs of one value group (``p``: int32, two tokens' scales each; pair i = 2k + q
+    of word w at 2 NV w + i, the pairs of plane k, ODD pair q of ``pairs_asm``) -> the columns (k, q) as [1, WD]
+    tiles, ordered (0, 0), (0, 1), (1, 0), ... (3, 1) (planes past NV repeat plane 0 and 1)."""
+    x = tl.load(p + tl.arange(0, WD * 2 * NV))
+    if NV == 2:
+        q0, q1 = tl.split(tl.reshape(x, [WD, 2, 2]))  # [w, k, q] -> q
+        c00, c10 = tl.split(q0)
+        c01, c11 = tl.split(q1)
+        c20, c21, c30, c31 = c00, c01, c10, c11
+    else:
+        q0, q1 = tl.split(tl.reshape(x, [WD, 2, 2, 2]))  # [w, k1, k0, q], k = 2 k1 + k0
+        a0, b0 = tl.split(q0)  # k0 = 0, 1: [w, k1]
+        a1, b1 = tl.split(q1)
+        c00, c20 = tl.split(a0)
+        c10, c30 = tl.split(b0)
+        c01, c21 = tl.split(a1)
+        c11, c31 = tl.split(b1)
+    return (c00[None, :], c01[None, :], c10[None, :], c11[None, :], c20[None, :], c21[None, :], c30[None, :],
+            c31[None, :])
+
+
+@triton.jit
+def _fold_pair(s, z, BITS: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    """A pair of two tokens' scales and zeros (int32 tiles) -> (s pair, folded z pair), the fma operands of
+    ``pairs_asm``: one packed fma on the GPU, else unpacked, folded in DT and packed again."""
     if ASM:
         return fold_pairs_asm(s, z, BITS, BF16)
     s_lo, s_hi = unpack_half(s, DT)
@@ -377,18 +398,19 @@ def _decode_split_kernel(
                     for c2 in tl.static_range(NW):  # value sub-tile c2: channels c2 * W + [0, W), one value group
                         words = tl.load(vw_h + page * s_vcp + (c2 * W + wr)[:, None] * (P // TW)
                                         + ((start % P) // TW + ww)[None, :])
-                        sp = s32 + ((c2 * W) // G) * (P // 2) + ww * (TW // 2)  # pair (k, q) at + 2k + q
-                        zp = z32 + ((c2 * W) // G) * (P // 2) + ww * (TW // 2)
-                        e00, h00 = _fold_pair(sp, zp, 0, VBITS, DT, BF16, VASM)
-                        e01, h01 = _fold_pair(sp, zp, 1, VBITS, DT, BF16, VASM)
-                        e10, h10 = _fold_pair(sp, zp, 2, VBITS, DT, BF16, VASM)
-                        e11, h11 = _fold_pair(sp, zp, 3, VBITS, DT, BF16, VASM)
+                        gs = ((c2 * W) // G) * (P // 2)  # the group's row of scale pairs (two tokens per int32)
+                        s00, s01, s10, s11, s20, s21, s30, s31 = _pair_columns(s32 + gs, BLOCK // TW, NV)
+                        z00, z01, z10, z11, z20, z21, z30, z31 = _pair_columns(z32 + gs, BLOCK // TW, NV)
+                        e00, h00 = _fold_pair(s00, z00, VBITS, DT, BF16, VASM)
+                        e01, h01 = _fold_pair(s01, z01, VBITS, DT, BF16, VASM)
+                        e10, h10 = _fold_pair(s10, z10, VBITS, DT, BF16, VASM)
+                        e11, h11 = _fold_pair(s11, z11, VBITS, DT, BF16, VASM)
                         e20, h20, e21, h21, e30, h30, e31, h31 = e00, h00, e01, h01, e00, h00, e01, h01
                         if NV == 4:
-                            e20, h20 = _fold_pair(sp, zp, 4, VBITS, DT, BF16, VASM)
-                            e21, h21 = _fold_pair(sp, zp, 5, VBITS, DT, BF16, VASM)
-                            e30, h30 = _fold_pair(sp, zp, 6, VBITS, DT, BF16, VASM)
-                            e31, h31 = _fold_pair(sp, zp, 7, VBITS, DT, BF16, VASM)
+                            e20, h20 = _fold_pair(s20, z20, VBITS, DT, BF16, VASM)
+                            e21, h21 = _fold_pair(s21, z21, VBITS, DT, BF16, VASM)
+                            e30, h30 = _fold_pair(s30, z30, VBITS, DT, BF16, VASM)
+                            e31, h31 = _fold_pair(s31, z31, VBITS, DT, BF16, VASM)
                         if VASM:
                             vp = pairs_asm(words, e00, h00, e01, h01, e10, h10, e11, h11, e20, h20, e21, h21, e30,
                                            h30, e31, h31, VBITS, BF16, True)
