@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import decode_args, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
 
 from kivi_cache import kernels as cur  # noqa: E402
-from kivi_cache.quant import transpose_value_pool  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--impl", action="append", default=[], help="name=package_dir[:KEY=VAL,...]")
@@ -96,11 +95,6 @@ for shape in args.shapes.split(","):
         rv = torch.randn(b, hkv, res + g, d, device=dev, dtype=torch.float16, generator=gen)
         rl = torch.full((b,), res, device=dev, dtype=torch.int32)
         nbytes = pool_bytes(pool, b, hkv, t_q, d, page, g, kb, vb, res, hq)
-        pool_t = None  # the transposed value layout, for variants run with KIVI_DECODE_VT2=1 (candidate)
-        if any(env.get("KIVI_DECODE_VT2") == "1" for _, _, env in impls):
-            pool_t = dict(pool)
-            pool_t["v_codes"], pool_t["v_scale"], pool_t["v_zero"] = transpose_value_pool(
-                pool["v_codes"], pool["v_scale"], pool["v_zero"], vb)
         times = {n: [] for n, _, _ in impls}
         outs = {}
         for _ in range(args.rounds):
@@ -108,8 +102,7 @@ for shape in args.shapes.split(","):
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
                 try:
-                    src = pool_t if env.get("KIVI_DECODE_VT2") == "1" else pool
-                    a = decode_args(src, q[:, :, 0], rk, rv, rl, kb, vb, g, 0.088)
+                    a = decode_args(pool, q[:, :, 0], rk, rv, rl, kb, vb, g, 0.088)
                     f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
                     outs[n] = f().float()
                     times[n].append(bench(f))
@@ -133,6 +126,6 @@ for shape in args.shapes.split(","):
             rows.append(r)
             print(f"{shape:>12} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
                   f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}", flush=True)
-        del pool, pool_t
+        del pool
         save()
 

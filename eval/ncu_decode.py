@@ -16,13 +16,14 @@ np_ = b * (t_q // page)
 dev = "cuda"
 kc = torch.randint(0, 255, (np_, hkv, page, d * bits // 8), device=dev, dtype=torch.uint8)
 ks = torch.rand(np_, hkv, page // g, d, device=dev, dtype=torch.float16) * 0.1
-vs = torch.rand(np_, hkv, page, d // g, device=dev, dtype=torch.float16) * 0.1
+vc = kc.view(np_, hkv, d, page * bits // 8)  # value codes: channel rows packed along tokens (same bytes)
+vs = torch.rand(np_, hkv, d // g, page, device=dev, dtype=torch.float16) * 0.1
 bt = torch.randperm(np_, device=dev, dtype=torch.int32).reshape(b, -1)
 lens = torch.full((b,), t_q, device=dev, dtype=torch.int32)
 rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)
 rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
 q = torch.randn(b, hq, d, device=dev, dtype=torch.float16)
 for _ in range(6):
-    KK.paged_decode_attention(q, bt, lens, kc, ks, ks, kc, vs, vs, rk, rk, rl, bits, bits, g, 0.088)
+    KK.paged_decode_attention(q, bt, lens, kc, ks, ks, vc, vs, vs, rk, rk, rl, bits, bits, g, 0.088)
 torch.cuda.synchronize()
 print("done")

@@ -132,8 +132,8 @@ def main():
             np2 = b * (t_q // page)
             kc = torch.randint(0, 255, (np2, hkv, page, d * bits // 8), device=dev, dtype=torch.uint8)
             ks = torch.rand(np2, hkv, page // g, d, device=dev, dtype=torch.float16) * 0.1
-            vc = torch.randint(0, 255, (np2, hkv, page, d * bits // 8), device=dev, dtype=torch.uint8)
-            vs = torch.rand(np2, hkv, page, d // g, device=dev, dtype=torch.float16) * 0.1
+            vc = torch.randint(0, 255, (np2, hkv, d, page * bits // 8), device=dev, dtype=torch.uint8)
+            vs = torch.rand(np2, hkv, d // g, page, device=dev, dtype=torch.float16) * 0.1
             bt2 = torch.randperm(np2, device=dev, dtype=torch.int32).reshape(b, -1)
             l2 = torch.full((b,), t_q, device=dev, dtype=torch.int32)
             rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)

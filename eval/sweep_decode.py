@@ -42,8 +42,8 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
         np_ = b * npg
         kc = torch.randint(0, 255, (np_, hkv, page, d * kb // 8), device=dev, dtype=torch.uint8)
         ks = torch.rand(np_, hkv, page // g, d, device=dev, dtype=torch.float16) * 0.1
-        vc = torch.randint(0, 255, (np_, hkv, page, d * vb // 8), device=dev, dtype=torch.uint8)
-        vs = torch.rand(np_, hkv, page, d // g, device=dev, dtype=torch.float16) * 0.1
+        vc = torch.randint(0, 255, (np_, hkv, d, page * vb // 8), device=dev, dtype=torch.uint8)
+        vs = torch.rand(np_, hkv, d // g, page, device=dev, dtype=torch.float16) * 0.1
         bt = torch.randperm(np_, device=dev, dtype=torch.int32).reshape(b, npg)
         lens = torch.full((b,), t_q, device=dev, dtype=torch.int32)
         rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)

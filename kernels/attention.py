@@ -54,7 +54,6 @@ from .dequant import dequantize_pages
 from .unpack import (
     fold_pairs_asm,
     fold_scale,
-    odd_order,
     odd_pairs_asm,
     pack2,
     pack_channel_pairs,
@@ -65,8 +64,8 @@ from .unpack import (
     plane_plain,
     plane_rows,
     plane_token_tile,
+    token_plane_plain,
     unpack_half,
-    value_pair_asm,
 )
 
 LOG2E = 1.4426950408889634
@@ -181,37 +180,15 @@ def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.const
 
 
 @triton.jit
-def _value_pair(s_ptrs, z_ptrs, tvalid, grp, BITS: tl.constexpr, DT: tl.constexpr):
-    """Folded value scale and zero of group ``grp`` for each token, packed twice: [G, 1] int32 each."""
-    sf, zf = fold_scale(tl.load(s_ptrs + grp, mask=tvalid, other=0.0), tl.load(z_ptrs + grp, mask=tvalid, other=0.0),
-                        BITS, DT)
-    return pack2(sf, sf)[:, None], pack2(zf, zf)[:, None]
-
-
-@triton.jit
-def _value_words(vs_h, vz_h, row32, tvalid, j: tl.constexpr):
-    """Word j (value groups 2j, 2j + 1) of each step token's scales and zeros: [BLOCK] int32 each."""
-    s = tl.load(vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + row32 + j, mask=tvalid, other=0)
-    z = tl.load(vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + row32 + j, mask=tvalid, other=0)
-    return s, z
-
-
-@triton.jit
-def _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, grp: tl.constexpr, BITS: tl.constexpr,
-                  BF16: tl.constexpr):
-    """``_value_pair`` from the words of ``_value_words`` (GPU): [G, 1] int32 (s, s) and folded (z', z')."""
-    s, z = value_pair_asm(_pick4(grp // 2, sw0, sw1, sw2, sw3), _pick4(grp // 2, zw0, zw1, zw2, zw3), grp % 2,
-                          BITS, BF16)
-    return s[:, None], z[:, None]
-
-
-@triton.jit
 def _pair_columns(p, WD: tl.constexpr, NV: tl.constexpr):
     """One load of a step's scale pairs of one value group (``p``: int32, two tokens' scales each; pair i = 2k + q
     of word w at 2 NV w + i, the pairs of plane k, ODD pair q of ``pairs_asm``) -> the columns (k, q) as [1, WD]
     tiles, ordered (0, 0), (0, 1), (1, 0), ... (3, 1) (planes past NV repeat plane 0 and 1)."""
     x = tl.load(p + tl.arange(0, WD * 2 * NV))
-    if NV == 2:
+    if NV == 1:
+        c00, c01 = tl.split(tl.reshape(x, [WD, 2]))
+        c10, c11, c20, c21, c30, c31 = c00, c01, c00, c01, c00, c01
+    elif NV == 2:
         q0, q1 = tl.split(tl.reshape(x, [WD, 2, 2]))  # [w, k, q] -> q
         c00, c10 = tl.split(q0)
         c01, c11 = tl.split(q1)
@@ -256,7 +233,6 @@ def _decode_split_kernel(
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
     PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
-    VW32: tl.constexpr = False, VT2: tl.constexpr = False,
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -280,10 +256,9 @@ def _decode_split_kernel(
     NK: tl.constexpr = 8 // KBITS
     NV: tl.constexpr = 8 // VBITS
     DK: tl.constexpr = D // NK  # channels per key plane = bytes per key row
-    DV: tl.constexpr = D // NV
-    W: tl.constexpr = G if G < DV else DV  # value sub-tile width: inside one group and one plane
+    W: tl.constexpr = G if G < 32 else 32  # value sub-tile: W channels inside one value group (32: registers)
     NW: tl.constexpr = D // W  # value sub-tiles (<= 8), one accumulator each
-    NC: tl.constexpr = DV // W  # value sub-tiles per plane (byte chunks of a row)
+    TW: tl.constexpr = 32 // VBITS  # tokens per 32-bit word of a value row
     # Key codes as ODD pairs (no byte shuffles; q's rows and the key scale pairs follow): the scale pairs
     # then cost two prmt per pair, once per key group and lane, which pays off from 64-token groups.
     KODD: tl.constexpr = HALF and G >= 64
@@ -319,7 +294,8 @@ def _decode_split_kernel(
         offs_t = tl.arange(0, BLOCK)
         offs_grp = tl.arange(0, BLOCK // G)
         wk = tl.arange(0, DK // 4)
-        wv = tl.arange(0, W // 4)
+        ww = tl.arange(0, BLOCK // TW)  # the step's words of a value row
+        wr = tl.arange(0, W)  # the channel rows of a value sub-tile
         kcols = wk[:, None] * 4 + tl.arange(0, 4)[None, :]  # [DK/4, 4]: channel within a key plane
         qc = tl.arange(0, DK)
         q0 = _qrows(tl.load(q_col + qc[:, None], mask=gmask[None, :], other=0.0).to(DT), KODD)
@@ -378,33 +354,23 @@ def _decode_split_kernel(
                 s = tl.where(tvalid[:, None], s, float("-inf"))
                 m_i, l_i, alpha, p = _online_softmax(s, m_i, l_i, qk_scale)
                 pd = p.to(DT)
-                vrow = vw_h + page * s_vcp + tp[:, None] * (DV // 4)
-                svrow = page * s_vsp + tp * (D // G)
-                if VW32:  # a token's value scales (and zeros) as int32 words: groups 2j, 2j + 1 in word j
-                    row32 = (page * s_vsp) // 2 + tp * (D // G // 2)
-                    sw0, zw0 = _value_words(vs_h, vz_h, row32, tvalid, 0)
-                    sw1, zw1, sw2, zw2, sw3, zw3 = sw0, zw0, sw0, zw0, sw0, zw0
-                    if D // G >= 4:
-                        sw1, zw1 = _value_words(vs_h, vz_h, row32, tvalid, 1)
-                    if D // G >= 8:
-                        sw2, zw2 = _value_words(vs_h, vz_h, row32, tvalid, 2)
-                        sw3, zw3 = _value_words(vs_h, vz_h, row32, tvalid, 3)
-                if VT2:  # transposed value pages: [D channel rows, P tokens] codes, [D / G, P] scales
-                    TW: tl.constexpr = 32 // VBITS  # tokens per word
-                    ww = tl.arange(0, BLOCK // TW)
-                    wr = tl.arange(0, W)
-                    s32 = vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp) // 2 + (start % P) // 2
-                    z32 = vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp) // 2 + (start % P) // 2
-                    for c2 in tl.static_range(NW):  # value sub-tile c2: channels c2 * W + [0, W), one value group
-                        words = tl.load(vw_h + page * s_vcp + (c2 * W + wr)[:, None] * (P // TW)
-                                        + ((start % P) // TW + ww)[None, :])
-                        gs = ((c2 * W) // G) * (P // 2)  # the group's row of scale pairs (two tokens per int32)
-                        s00, s01, s10, s11, s20, s21, s30, s31 = _pair_columns(s32 + gs, BLOCK // TW, NV)
-                        z00, z01, z10, z11, z20, z21, z30, z31 = _pair_columns(z32 + gs, BLOCK // TW, NV)
+                # values: channel rows packed along tokens, token-contiguous scales (kivi_cache.quant); sub-tile
+                # c2 = W channels of one value group; plane k of a word holds tokens TW w + 4k + j, one MMA each
+                s32 = vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp + start % P) // 2
+                z32 = vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp + start % P) // 2
+                for c2 in tl.static_range(NW):
+                    words = tl.load(vw_h + page * s_vcp + (c2 * W + wr)[:, None] * (P // TW)
+                                    + ((start % P) // TW + ww)[None, :])
+                    gs = ((c2 * W) // G) * P  # the group's scale row (rows of P tokens: checked by the wrapper)
+                    if HALF:  # pairs of two tokens' scales (int32 loads), folded: the fma operands of the unpack
+                        s00, s01, s10, s11, s20, s21, s30, s31 = _pair_columns(s32 + gs // 2, BLOCK // TW, NV)
+                        z00, z01, z10, z11, z20, z21, z30, z31 = _pair_columns(z32 + gs // 2, BLOCK // TW, NV)
                         e00, h00 = _fold_pair(s00, z00, VBITS, DT, BF16, VASM)
                         e01, h01 = _fold_pair(s01, z01, VBITS, DT, BF16, VASM)
-                        e10, h10 = _fold_pair(s10, z10, VBITS, DT, BF16, VASM)
-                        e11, h11 = _fold_pair(s11, z11, VBITS, DT, BF16, VASM)
+                        e10, h10, e11, h11 = e00, h00, e01, h01
+                        if NV >= 2:
+                            e10, h10 = _fold_pair(s10, z10, VBITS, DT, BF16, VASM)
+                            e11, h11 = _fold_pair(s11, z11, VBITS, DT, BF16, VASM)
                         e20, h20, e21, h21, e30, h30, e31, h31 = e00, h00, e01, h01, e00, h00, e01, h01
                         if NV == 4:
                             e20, h20 = _fold_pair(s20, z20, VBITS, DT, BF16, VASM)
@@ -414,75 +380,26 @@ def _decode_split_kernel(
                         if VASM:
                             vp = pairs_asm(words, e00, h00, e01, h01, e10, h10, e11, h11, e20, h20, e21, h21, e30,
                                            h30, e31, h31, VBITS, BF16, True)
-                        for k in tl.static_range(NV):
-                            if VASM:
-                                vt = plane_token_tile(vp[2 * k], vp[2 * k + 1], DT)
-                            else:
-                                f0, g0 = _pick4(k, e00, e10, e20, e30), _pick4(k, h00, h10, h20, h30)
-                                f1, g1 = _pick4(k, e01, e11, e21, e31), _pick4(k, h01, h11, h21, h31)
-                                vt = plane_token_tile(pair_emulated(words, k, 0, f0, g0, VBITS, DT, True),
-                                                      pair_emulated(words, k, 1, f1, g1, VBITS, DT, True), DT)
-                            if phase == 1:  # tokens past the end: their scales may be anything (0 * inf)
-                                it = tl.arange(0, BLOCK // NV)
-                                vt = tl.where((start + (it // 4) * TW + 4 * k + it % 4 < t1)[None, :], vt, 0.0)
-                            pv = tl.dot(vt, plane_rows(pd, k, NV), input_precision=PREC)
-                            if k == 0:
-                                pacc = pv
-                            else:
-                                pacc += pv
-                        a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(c2, pacc, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
-                for c in tl.static_range(0 if VT2 else NC):  # byte chunk c of the value rows: sub-tile c of every plane
-                    vw = tl.load(vrow + (c * W // 4 + wv)[None, :])
-                    if VW32:
-                        e0, h0 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (c * W) // G, VBITS, BF16)
-                        e1, h1, e2, h2, e3, h3 = e0, h0, e0, h0, e0, h0
-                        if NV >= 2:
-                            e1, h1 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (DV + c * W) // G, VBITS,
-                                                   BF16)
-                        if NV == 4:
-                            e2, h2 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (2 * DV + c * W) // G, VBITS,
-                                                   BF16)
-                            e3, h3 = _value_pair_w(sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3, (3 * DV + c * W) // G, VBITS,
-                                                   BF16)
-                        vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3, VBITS, BF16,
-                                       True)
-                        for k in tl.static_range(NV):
-                            vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
-                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                         a5, a6, a7)
-                    elif HALF:
-                        e0, h0 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (c * W) // G, VBITS, DT)
-                        if NV >= 2:
-                            e1, h1 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (DV + c * W) // G, VBITS, DT)
+                    for k in tl.static_range(NV):
+                        if not HALF:
+                            vt = token_plane_plain(words, k, vs_h + page * s_vsp + gs + start % P,
+                                                   vz_h + page * s_vsp + gs + start % P, VBITS)
+                        elif VASM:
+                            vt = plane_token_tile(vp[2 * k], vp[2 * k + 1], DT)
                         else:
-                            e1, h1 = e0, h0
-                        if NV == 4:
-                            e2, h2 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (2 * DV + c * W) // G, VBITS, DT)
-                            e3, h3 = _value_pair(vs_h + svrow, vz_h + svrow, tvalid, (3 * DV + c * W) // G, VBITS, DT)
+                            f0, g0 = _pick4(k, e00, e10, e20, e30), _pick4(k, h00, h10, h20, h30)
+                            f1, g1 = _pick4(k, e01, e11, e21, e31), _pick4(k, h01, h11, h21, h31)
+                            vt = plane_token_tile(pair_emulated(words, k, 0, f0, g0, VBITS, DT, True),
+                                                  pair_emulated(words, k, 1, f1, g1, VBITS, DT, True), DT)
+                        if phase == 1:  # tokens past the end: their scales may be anything (0 * inf)
+                            it = tl.arange(0, BLOCK // NV)
+                            vt = tl.where((start + (it // 4) * TW + 4 * k + it % 4 < t1)[None, :], vt, 0.0)
+                        pv = tl.dot(vt.to(DT), plane_rows(pd, k, NV), input_precision=PREC)
+                        if k == 0:
+                            pacc = pv
                         else:
-                            e2, h2, e3, h3 = e0, h0, e0, h0
-                        if VASM:
-                            vp = pairs_asm(vw, e0, h0, e0, h0, e1, h1, e1, h1, e2, h2, e2, h2, e3, h3, e3, h3,
-                                           VBITS, BF16, True)
-                        for k in tl.static_range(NV):
-                            if VASM:
-                                vv = plane(vp[2 * k], vp[2 * k + 1], DT, BLOCK > 32)  # 32: capped at 128 regs
-                            else:
-                                e, hh = _pick4(k, e0, e1, e2, e3), _pick4(k, h0, h1, h2, h3)
-                                vv = plane_emulated(vw, k, e, hh, e, hh, VBITS, DT, BLOCK > 32, True)
-                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                         a5, a6, a7)
-                    else:
-                        for k in tl.static_range(NV):
-                            grp = (k * DV + c * W) // G
-                            vs = tl.load(vs_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
-                            vz = tl.load(vz_h + svrow + grp, mask=tvalid, other=0.0)[:, None, None]
-                            vv = plane_plain(vw, k, vs, vz, VBITS, DT)
-                            pv = tl.dot(tl.trans(vv), pd, input_precision=PREC)
-                            a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(k * NC + c, pv, alpha, a0, a1, a2, a3, a4,
-                                                                         a5, a6, a7)
+                            pacc += pv
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(c2, pacc, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
@@ -507,12 +424,9 @@ def _decode_split_kernel(
     ws = row * (NS + 1) + split
     tl.store(m_ws + ws, m_i, mask=gmask)
     tl.store(l_ws + ws, l_i, mask=gmask)
-    offs_o = offs_c
-    if HALF and not VT2:  # the paged loop's value tiles hold their channels in odd_order (ODD pairs: no byte shuffles)
-        offs_o = tl.where(split < NS, odd_order(offs_c), offs_c)
     for gi in tl.static_range(NW):
         acc = _acc_get(gi, a0, a1, a2, a3, a4, a5, a6, a7)
-        tl.store(o_ws + ws[None, :] * D + (gi * W + offs_o)[:, None], acc, mask=gmask[None, :])
+        tl.store(o_ws + ws[None, :] * D + (gi * W + offs_c)[:, None], acc, mask=gmask[None, :])
 
 
 @triton.jit
@@ -563,13 +477,6 @@ def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
 def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
     """The inline-PTX unpack (GPU only) covers 2/4-bit codes with fp16/bf16 dots."""
     return not dot_f32 and not interpreting() and bits in (2, 4) and dtype in (torch.float16, torch.bfloat16)
-
-
-def _value_words_ok(d: int, group_size: int, v_scale, v_zero) -> bool:
-    """Value scales/zeros readable as int32 words per token (2 groups a word, at most 4 words)."""
-    n = d // group_size
-    return n % 2 == 0 and n <= 8 and all(x % 2 == 0 for t in (v_scale, v_zero)
-                                         for x in (t.stride(0), t.stride(1), t.storage_offset()))
 
 
 def _step_tokens(page_size: int, group_size: int, interp: bool) -> int:
@@ -699,11 +606,11 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if bsz == 0 or hq == 0:
         return out
     group = hq // hkv
-    sub = min(group_size, d * value_bits // 8)
-    if d // sub > 8 or sub < 16 or d * key_bits // 8 < 16:
-        raise ValueError(f"decode kernel needs value sub-tiles min(group_size, head_dim*value_bits/8) >= 16 "
-                         f"and <= 8 of them per head; got group_size={group_size}, head_dim={d}, "
-                         f"bits={key_bits}/{value_bits}")
+    sub = min(group_size, 32)
+    if d // sub > 8 or sub < 16 or d * key_bits // 8 < 16 or p * value_bits % 32:
+        raise ValueError(f"decode kernel needs value sub-tiles min(group_size, 32) >= 16 and <= 8 of them "
+                         f"per head, and pages of whole 32-bit words of value codes; got group_size={group_size}, "
+                         f"head_dim={d}, page_size={p}, bits={key_bits}/{value_bits}")
     gp = max(int(os.environ.get("KIVI_DECODE_GP_MIN", 1)), triton.next_power_of_2(group))
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -725,14 +632,17 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     kw = k_codes.view(torch.int32)
     vw = v_codes.view(torch.int32)
     if kw.stride(2) != kw.shape[3] or vw.stride(2) != vw.shape[3] or v_scale.stride(2) != v_scale.shape[3]:
-        raise ValueError("pool tensors must be contiguous within a page (token rows back to back)")
+        raise ValueError("pool tensors must be contiguous within a page (rows back to back)")
+    if not dot_f32 and (v_scale.element_size() != 2 or any(
+            x % 2 for t in (v_scale, v_zero) for x in (*t.stride()[:3], t.storage_offset()))):
+        raise ValueError("fp16/bf16 decode reads value scales and zeros in pairs of tokens: they must be fp16/bf16 "
+                         "with even strides and offsets (as the page pool allocates them)")
     vasm = not _plain and _use_asm(q.dtype, value_bits, dot_f32)
     meta = dict(GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
                 KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
                 KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
                 VASM=vasm, BF16=q.dtype == torch.bfloat16,
-                VW32=vasm and _value_words_ok(d, group_size, v_scale, v_zero),
-                VT2=os.environ.get("KIVI_DECODE_VT2", "0") == "1" and not dot_f32 and value_bits in (2, 4),
+
                 num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
     rkey = (q.device.index, *meta.items())
     ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,

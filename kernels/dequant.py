@@ -3,10 +3,10 @@
 The two ``@triton.jit`` helpers here are shared with the attention kernels:
 they read a block of ``BLOCK`` tokens of one page (``BLOCK`` divides the page
 and is a multiple of G) straight from the packed codes and return the
-dequantized ``[BLOCK, D]`` tile in fp32. Planar unpacking: channel ``d`` is
-byte ``d % (D // n)`` of its row, shifted by ``(d // (D // n)) * bits``.
-Scales and zeros are loaded once per group (keys: ``[BLOCK // G, 1, D]``;
-values: ``[BLOCK, D // G, 1]``) and broadcast in registers.
+dequantized ``[BLOCK, D]`` tile in fp32. Keys: planar unpacking, channel ``d``
+is byte ``d % (D // n)`` of its token's row, shifted by ``(d // (D // n)) * bits``,
+scales and zeros loaded once per group (``[BLOCK // G, 1, D]``). Values: channel
+rows packed along tokens (:mod:`kivi_cache.quant`), per-token scales and zeros.
 """
 
 from __future__ import annotations
@@ -46,30 +46,25 @@ def _key_tile(kc_base, ks_base, kz_base, off, valid_groups, s_kct, s_ksg,
 
 
 @triton.jit
-def _value_tile(vc_base, vs_base, vz_base, off, valid_tok, s_vct, s_vst,
+def _value_tile(vc_base, vs_base, vz_base, off, valid_tok, s_vcd, s_vsg,
                 BLOCK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """Values of tokens ``off .. off + BLOCK`` of a page -> fp32 [BLOCK, D].
 
-    ``valid_tok`` [BLOCK, 1, 1] masks the scale/zero loads (masked tokens are 0).
+    Channel rows packed along tokens (row stride ``s_vcd`` bytes): token t is in byte
+    ``4 (t // TW) + (t // 2) % 2 + 2 (t % 2)`` at bits ``((t % TW) // 4) * BITS`` (``TW = 32 // BITS``); scales and
+    zeros ``[D // G, P]`` (row stride ``s_vsg``). ``valid_tok`` [BLOCK, 1] masks their loads (masked tokens are 0).
     """
-    NGV: tl.constexpr = D // G
-    N: tl.constexpr = 8 // BITS
-    DN: tl.constexpr = D // N
+    TW: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
-    t3 = tl.arange(0, BLOCK)[:, None, None]
-    g3 = tl.arange(0, NGV)[None, :, None]
-    j3 = tl.arange(0, G)[None, None, :]
-    dd = g3 * G + j3
-    raw = tl.load(vc_base + (off + t3) * s_vct + (dd % DN)).to(tl.int32)
-    if N == 1:
-        c = raw
-    else:
-        c = (raw >> ((dd // DN) * BITS)) & MASK
-    soff = (off + t3) * s_vst + g3
+    t = off + tl.arange(0, BLOCK)[:, None]
+    d = tl.arange(0, D)[None, :]
+    r = t % TW
+    raw = tl.load(vc_base + d * s_vcd + (t // TW) * 4 + (r // 2) % 2 + 2 * (r % 2)).to(tl.int32)
+    c = (raw >> ((r // 4) * BITS)) & MASK
+    soff = (d // G) * s_vsg + t
     s = tl.load(vs_base + soff, mask=valid_tok, other=0.0).to(tl.float32)
     z = tl.load(vz_base + soff, mask=valid_tok, other=0.0).to(tl.float32)
-    v = c.to(tl.float32) * s + z
-    return tl.reshape(v, [BLOCK, D])
+    return c.to(tl.float32) * s + z
 
 
 @triton.jit
@@ -93,7 +88,7 @@ def _dequant_kernel(
     off = start % P
     NG: tl.constexpr = BLOCK // G
     gvalid = (start + tl.arange(0, NG) * G < length)[:, None, None]
-    tvalid = (start + tl.arange(0, BLOCK) < length)[:, None, None]
+    tvalid = (start + tl.arange(0, BLOCK) < length)[:, None]
     k = _key_tile(kc_ptr + page * s_kcp + h * s_kch, ks_ptr + page * s_ksp + h * s_ksh,
                   kz_ptr + page * s_ksp + h * s_ksh, off, gvalid, s_kct, s_ksg, BLOCK, G, D, KBITS)
     v = _value_tile(vc_ptr + page * s_vcp + h * s_vch, vs_ptr + page * s_vsp + h * s_vsh,

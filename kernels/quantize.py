@@ -5,8 +5,8 @@ One launch, grid ``(N, H)``: program ``(n, h)`` reads ``k[n, h]`` and
 nearest in the storage dtype S, scale = (max - zero) / qmax rounded *up* in S
 (as :func:`kivi_cache.quant.round_up_to`), and computes the codes from the *rounded* values
 (``floor((x - zero) / scale + 0.5)``, IEEE division, clamped; scale 0 gives
-code 0), packs them planar (see :mod:`kivi_cache.quant`) and writes codes,
-scales and zeros at ``(pages[n], slots[n])``.
+code 0), packs them (keys planar per token row, values per channel row along tokens: see
+:mod:`kivi_cache.quant`) and writes codes, scales and zeros at ``(pages[n], slots[n])``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,20 @@ def _pack_store(codes, dst, t2, G: tl.constexpr, D: tl.constexpr, BITS: tl.const
     sh = (tl.arange(0, N) * BITS)[None, :, None]
     packed = tl.sum(c3 << sh, axis=1)  # [G, DN]
     tl.store(dst + t2 + tl.arange(0, DN)[None, :], packed.to(tl.uint8))
+
+
+@triton.jit
+def _pack_tokens_store(codes, dst, slot, s_row, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Value codes int32 [G tokens, D] -> channel rows packed along tokens (:func:`kivi_cache.quant.pack_tokens`):
+    the G * BITS / 8 bytes of each row from byte ``slot * BITS / 8`` (whole 32-bit words: G * BITS >= 32)."""
+    N: tl.constexpr = 8 // BITS
+    TW: tl.constexpr = 4 * N  # tokens per word: token TW w + 4 k + 2 q + h in byte 4 w + q + 2 h, bits k
+    c5 = tl.reshape(tl.trans(codes), [D, G // TW, N, 2, 2])  # [channel, w, k, q, h]
+    sh = (tl.arange(0, N) * BITS)[None, None, :, None, None]
+    packed = tl.sum(c5 << sh, axis=2)  # [channel, w, q, h]
+    packed = tl.reshape(tl.permute(packed, (0, 1, 3, 2)), [D, G * BITS // 8])  # byte 4 w + 2 h + q
+    off = tl.arange(0, D)[:, None] * s_row + slot * BITS // 8 + tl.arange(0, G * BITS // 8)[None, :]
+    tl.store(dst + off, packed.to(tl.uint8))
 
 
 @triton.jit
@@ -104,10 +118,10 @@ def _quantize_write_kernel(
     r = tl.where(vpos, tl.floor(r + 0.5), 0.0)
     vcodes = tl.minimum(tl.maximum(r, 0.0), VQ).to(tl.int32)
     t2 = tl.arange(0, G)[:, None]
-    vs_off = page * s_vsp + h * s_vsh + (slot + t2) * s_vst + tl.arange(0, NGV)[None, :]
+    vs_off = page * s_vsp + h * s_vsh + (slot + t2) + tl.arange(0, NGV)[None, :] * s_vst  # [D // G, P] per page
     tl.store(vs_ptr + vs_off, vscale)
     tl.store(vz_ptr + vs_off, vzero)
-    _pack_store(tl.reshape(vcodes, [G, D]), vc_ptr + page * s_vcp + h * s_vch, (slot + t2) * s_vct, G, D, VBITS)
+    _pack_tokens_store(tl.reshape(vcodes, [G, D]), vc_ptr + page * s_vcp + h * s_vch, slot, s_vct, G, D, VBITS)
 
 
 def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,

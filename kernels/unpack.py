@@ -305,3 +305,17 @@ def plane_rows(p, k: tl.constexpr, NP: tl.constexpr):
         a, b = tl.split(y)
         r = a if k % 2 == 0 else b
     return tl.reshape(r, [p.shape[0] // NP, p.shape[1]])
+
+
+@triton.jit
+def token_plane_plain(words, k: tl.constexpr, s_row, z_row, BITS: tl.constexpr):
+    """fp32 path: plane k of a transposed word tile [R, Wd] -> fp32 [R, 4 Wd] in the order of
+    :func:`plane_token_tile` (token TW w + 4 k + j), with per-token scales and zeros loaded from ``s_row``/``z_row``
+    (the group's token-contiguous rows at the step's first token)."""
+    tw: tl.constexpr = 32 // BITS
+    j = tl.arange(0, 4)
+    sh = 8 * ((j // 2) % 2 + 2 * (j % 2)) + k * BITS  # token 2q + h of the plane sits in byte q + 2h
+    c = (words[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)  # [R, Wd, j]
+    tok = (tl.arange(0, words.shape[1])[:, None] * tw + 4 * k + j[None, :])[None, :, :]
+    v = c.to(tl.float32) * tl.load(s_row + tok).to(tl.float32) + tl.load(z_row + tok).to(tl.float32)
+    return tl.reshape(v, [words.shape[0], 4 * words.shape[1]])

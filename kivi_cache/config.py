@@ -56,6 +56,11 @@ class QuantConfig:
                 f"page_size must be a multiple of group_size ({self.group_size}), "
                 f"got page_size={self.page_size}"
             )
+        if self.group_size * self.value_bits < 32:  # value codes are stored in 32-bit words of tokens
+            raise ValueError(
+                f"group_size must be at least {32 // self.value_bits} with value_bits={self.value_bits} "
+                f"(a group of values fills whole 32-bit words of tokens), got group_size={self.group_size}"
+            )
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this configuration cannot store heads of ``head_dim`` channels."""

@@ -37,9 +37,9 @@ class PagePool:
             "k_codes": ((h, p, d * c.key_bits // 8), torch.uint8),
             "k_scale": ((h, p // g, d), self.dtype),
             "k_zero": ((h, p // g, d), self.dtype),
-            "v_codes": ((h, p, d * c.value_bits // 8), torch.uint8),
-            "v_scale": ((h, p, d // g), self.dtype),
-            "v_zero": ((h, p, d // g), self.dtype),
+            "v_codes": ((h, d, p * c.value_bits // 8), torch.uint8),
+            "v_scale": ((h, d // g, p), self.dtype),
+            "v_zero": ((h, d // g, p), self.dtype),
         }
 
     def _grow(self, new_capacity: int) -> None:

@@ -22,12 +22,22 @@ So every element's round-trip error is at most half a step (``scale / 2``) of
 its group, plus the rounding of ``zero`` and of the output in S. A constant
 group has scale 0, codes 0, and dequantizes exactly to its value.
 
-Packed layout (shared with the kernels): codes are packed along the last
-(channel) axis, *planar*: with ``n = 8 // bits`` codes per byte and ``D``
-channels, byte ``j`` of a row holds channel ``j + k * D // n`` in bits
-``[k * bits, (k + 1) * bits)`` for ``k = 0 .. n - 1``. A packed row is
-``D * bits // 8`` bytes. Unpacking chunk ``k`` of every byte yields the
-contiguous channel block ``[k * D // n, (k + 1) * D // n)``.
+Packed layouts (shared with the kernels), ``n = 8 // bits`` codes per byte:
+
+* keys (:func:`pack`): one row per token, packed along the channel axis,
+  *planar*: byte ``j`` of a row holds channel ``j + k * D // n`` in bits
+  ``[k * bits, (k + 1) * bits)``. A packed row is ``D * bits // 8`` bytes;
+  unpacking chunk ``k`` of every byte yields the channel block
+  ``[k * D // n, (k + 1) * D // n)``.
+* values (:func:`pack_tokens`): one row per channel, packed along the token
+  axis of a page, in 32-bit words of ``4 n`` consecutive tokens; byte ``p``
+  of word ``w``, bits ``[k * bits, (k + 1) * bits)``, holds token
+  ``4 n w + 2 (p % 2 + 2 k) + p // 2``. Bytes ``q`` and ``q + 2`` of a word
+  thus hold two consecutive tokens in the same bit field: one shift and mask
+  of the word puts both in the halves of a register, the pair of tokens an
+  MMA operand register holds for ``P @ V``. Value scales and zero points are
+  stored token-contiguous too (``[D // G, P]`` per page), so that a 32-bit
+  load gives the two tokens' scales of such a register.
 """
 
 from __future__ import annotations
@@ -127,7 +137,7 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
 
 
 def pack_tokens(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Transposed value layout (candidate ``KIVI_DECODE_VT2``): uint8 codes ``[..., C, T]`` (channel rows, T tokens,
+    """The value layout (module docstring): uint8 codes ``[..., C, T]`` (channel rows, T tokens,
     T a multiple of ``32 // bits``) -> ``[..., C, T * bits // 8]``. Word w of a row (4 bytes) holds tokens
     ``tw * w .. tw * w + tw - 1`` (``tw = 32 // bits``); byte p, bit field k holds token
     ``tw * w + 2 * (p % 2 + 2 * k) + p // 2``, so that the decode kernel's ODD unpack (bytes q and q + 2 of a
@@ -144,13 +154,16 @@ def pack_tokens(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out.to(torch.uint8).reshape(*lead, c, t * bits // 8)
 
 
-def transpose_value_pool(v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, bits: int):
-    """A value pool ``[pages, H, P, D * bits // 8]`` (token rows, planar) with ``[pages, H, P, D // G]`` scales/zeros
-    -> the transposed layout: codes ``[pages, H, D, P * bits // 8]`` (:func:`pack_tokens`), scales/zeros
-    ``[pages, H, D // G, P]``."""
-    codes = unpack(v_codes, bits).transpose(-1, -2)  # [pages, H, D, P]
-
-    def fresh(x):  # canonical strides even for a size-1 dimension (D // G == 1)
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
-
-    return fresh(pack_tokens(codes, bits)), fresh(v_scale.transpose(-1, -2)), fresh(v_zero.transpose(-1, -2))
+def unpack_tokens(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_tokens`: ``[..., C, T * bits // 8]`` -> uint8 ``[..., C, T]``."""
+    n = 8 // bits
+    tw = 4 * n
+    *lead, c, nb = packed.shape
+    t = nb * n
+    x = packed.to(torch.int32).reshape(*lead, c, t // tw, 4)
+    out = torch.empty(*lead, c, t // tw, n, 2, 2, dtype=torch.int32, device=packed.device)
+    for k in range(n):
+        for q in range(2):
+            for h in range(2):
+                out[..., k, q, h] = (x[..., q + 2 * h] >> (k * bits)) & qmax(bits)
+    return out.reshape(*lead, c, t).to(torch.uint8)

@@ -13,15 +13,15 @@ tensor         shape                           meaning
 ``k_codes``    ``[NP, H, P, D * kb // 8]``     uint8, planar-packed codes
 ``k_scale``    ``[NP, H, P // G, D]``          per-channel scale per group
 ``k_zero``     ``[NP, H, P // G, D]``          per-channel zero (min)
-``v_codes``    ``[NP, H, P, D * vb // 8]``     uint8, planar-packed codes
-``v_scale``    ``[NP, H, P, D // G]``          per-token scale per group
-``v_zero``     ``[NP, H, P, D // G]``          per-token zero (min)
+``v_codes``    ``[NP, H, D, P * vb // 8]``     uint8, channel rows packed along tokens
+``v_scale``    ``[NP, H, D // G, P]``          per-token scale per group
+``v_zero``     ``[NP, H, D // G, P]``          per-token zero (min)
 =============  ==============================  ==========================
 
 A sequence's quantized tokens ``0 .. n - 1`` live in pages
 ``block_table[b, t // P]`` at slot ``t % P``; ``n`` is always a multiple of G.
-Unused block-table entries are -1. The packing is documented in
-:mod:`kivi_cache.quant`.
+Unused block-table entries are -1. The packings (keys: token rows, planar over
+channels; values: channel rows packed along tokens) are documented in :mod:`kivi_cache.quant`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ from .quant import (
     dequantize_keys,
     dequantize_values,
     pack,
+    pack_tokens,
     quantize_keys,
     quantize_values,
     unpack,
+    unpack_tokens,
 )
 
 
@@ -57,9 +59,12 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     pg = pages[:, None]
     # advanced indices around a slice put [N, G] first: [N, G, H, ...]
     k_codes[pg, :, tok] = pack(kc, key_bits).transpose(1, 2)
-    v_codes[pg, :, tok] = pack(vc, value_bits).transpose(1, 2)
-    v_scale[pg, :, tok] = vs.transpose(1, 2)
-    v_zero[pg, :, tok] = vz.transpose(1, 2)
+    # values: channel rows, the group's bytes of each row; advanced indices around two slices put [N, X] first
+    vb = g * value_bits // 8
+    cols = (slots * value_bits // 8)[:, None] + torch.arange(vb, device=slots.device)  # [N, vb]
+    v_codes[pg, :, :, cols] = pack_tokens(vc.transpose(-1, -2), value_bits).permute(0, 3, 1, 2)
+    v_scale[pg, :, :, tok] = vs.permute(0, 2, 1, 3)
+    v_zero[pg, :, :, tok] = vz.permute(0, 2, 1, 3)
     k_scale[pages, :, slots // g] = ks[:, :, 0]
     k_zero[pages, :, slots // g] = kz[:, :, 0]
 
@@ -86,8 +91,13 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         y = y.transpose(1, 2)
         return y.reshape(b, h, npages * x.shape[2], *x.shape[3:])
 
+    def gather_t(x):  # [NP, H, C, X] (token axis last) -> [B, H, np * X, C]
+        return x[pages].permute(0, 2, 1, 4, 3).reshape(b, h, npages * x.shape[3], x.shape[2])
+
     k = dequantize_keys(unpack(gather(k_codes), key_bits), gather(k_scale), gather(k_zero), group_size)
-    v = dequantize_values(unpack(gather(v_codes), value_bits), gather(v_scale), gather(v_zero), group_size)
+    vc = unpack_tokens(v_codes[pages], value_bits)  # [B, np, H, D, P]
+    v = dequantize_values(vc.permute(0, 2, 1, 4, 3).reshape(b, h, npages * p, d), gather_t(v_scale),
+                          gather_t(v_zero), group_size)
     valid = torch.arange(npages * p, device=lengths.device)[None, :] < lengths[:, None].long()
     valid = valid[:, None, :, None]
     k = torch.where(valid, k, 0)[:, :, :t]

@@ -46,11 +46,13 @@ def test_head_dim_not_divisible_by_group_fails_at_first_update_without_state():
     assert len(cache.layers) == 0 and cache.get_seq_length() == 0
 
 
-def test_head_dim_not_packable_is_refused():
-    cache = QuantizedPagedCache(key_bits=2, group_size=2, page_size=2)
-    k = torch.randn(1, 2, 3, 6)
-    with pytest.raises(ValueError, match="key_bits=2 packs 4 codes per byte"):
-        cache.update(k, k, 0)
+def test_group_smaller_than_a_word_of_value_codes_is_refused():
+    # value codes are stored in 32-bit words of consecutive tokens: a group must fill whole words
+    with pytest.raises(ValueError, match="group_size must be at least 16 with value_bits=2"):
+        QuantizedPagedCache(value_bits=2, group_size=8, page_size=32)
+    with pytest.raises(ValueError, match="group_size must be at least 8 with value_bits=4"):
+        QuantizedPagedCache(group_size=4, page_size=32)
+    QuantizedPagedCache(value_bits=8, group_size=4, page_size=32)  # 4 tokens x 8 bits: one word
 
 
 def test_backend_name_validated():

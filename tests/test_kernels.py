@@ -37,11 +37,11 @@ def rel_err(out, ref, tag):
 def make_pool(np_, h, p, d, g, kb, vb, dtype, gen=None):
     """A pool of random codes with scales giving values of order 1."""
     kc = torch.randint(0, 256, (np_, h, p, d * kb // 8), dtype=torch.uint8, device=DEV)
-    vc = torch.randint(0, 256, (np_, h, p, d * vb // 8), dtype=torch.uint8, device=DEV)
+    vc = torch.randint(0, 256, (np_, h, d, p * vb // 8), dtype=torch.uint8, device=DEV)  # channel rows
     ks = (torch.rand(np_, h, p // g, d, device=DEV) * 3 / qmax(kb)).to(dtype)
     kz = (torch.randn(np_, h, p // g, d, device=DEV) - 1.5).to(dtype)
-    vs = (torch.rand(np_, h, p, d // g, device=DEV) * 3 / qmax(vb)).to(dtype)
-    vz = (torch.randn(np_, h, p, d // g, device=DEV) - 1.5).to(dtype)
+    vs = (torch.rand(np_, h, d // g, p, device=DEV) * 3 / qmax(vb)).to(dtype)  # token-contiguous
+    vz = (torch.randn(np_, h, d // g, p, device=DEV) - 1.5).to(dtype)
     return kc, ks, kz, vc, vs, vz
 
 
@@ -378,20 +378,3 @@ def test_decode_half_dot_splits_past_the_end(splits):
     """64-token steps (unmasked loop + partial-step loop) with splits that start past a sequence's end."""
     args = decode_case(2, 2, 4, 64, 128, 32, 4, 4, torch.float16, [96, 200], [5, 0])
     run_decode(args, f"decode half-dot splits{splits}", num_splits=splits, _force_half_dot=True)
-
-
-@pytest.mark.parametrize("kb,vb,g,lens,res", [(4, 4, 32, [96, 192], [5, 17]), (2, 2, 32, [96, 200], [5, 0]),
-                                              (4, 2, 64, [128, 190], [3, 9])])
-def test_decode_transposed_value_pages(monkeypatch, kb, vb, g, lens, res):
-    """Candidate KIVI_DECODE_VT2: the value pool in the transposed layout (kivi_cache.quant.transpose_value_pool:
-    channel rows, codes packed along tokens) decodes to the reference's output on the original pool, partial steps
-    (lengths not multiples of 64) included."""
-    from kivi_cache.quant import transpose_value_pool
-
-    args = list(decode_case(2, 2, 4, 64, 128, g, kb, vb, torch.float16, lens, res))
-    ref = R.paged_decode_attention(*args)
-    args[6:9] = transpose_value_pool(*args[6:9], vb)
-    monkeypatch.setenv("KIVI_DECODE_VT2", "1")
-    out = K.paged_decode_attention(*args, _force_half_dot=True)
-    err = rel_err(out, ref, f"decode VT2 {kb}/{vb} g{g}")
-    assert err < TOL[torch.float16], err

@@ -19,6 +19,22 @@ def test_pack_unpack_roundtrip_and_documented_layout(bits):
         assert torch.equal(chunk.to(torch.uint8), codes[..., k * d // n:(k + 1) * d // n])
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_tokens_roundtrip_and_documented_layout(bits):
+    n, t = 8 // bits, 64
+    codes = torch.randint(0, 1 << bits, (3, 5, t), dtype=torch.uint8)  # [..., channel, token]
+    packed = quant.pack_tokens(codes, bits)
+    assert packed.shape == (3, 5, t * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(quant.unpack_tokens(packed, bits), codes)
+    # byte p of word w, bits [k*bits, (k+1)*bits), holds token 4n w + 2 (p % 2 + 2 k) + p // 2
+    for w in range(t // (4 * n)):
+        for p in range(4):
+            byte = packed[..., 4 * w + p].to(torch.int32)
+            for k in range(n):
+                tok = 4 * n * w + 2 * (p % 2 + 2 * k) + p // 2
+                assert torch.equal(((byte >> (k * bits)) & ((1 << bits) - 1)).to(torch.uint8), codes[..., tok])
+
+
 def _step_bound(x, deq, scale, expand):
     err = (x.float() - deq.float()).abs()
     half_step = expand(scale.float()) / 2
@@ -74,8 +90,8 @@ def test_codes_use_full_range():
 def test_paged_write_then_dequantize_matches_direct_quantization():
     h, d, g, p, kb, vb = 3, 64, 32, 64, 4, 2
     pool = [torch.zeros(5, h, p, d * kb // 8, dtype=torch.uint8), torch.zeros(5, h, p // g, d),
-            torch.zeros(5, h, p // g, d), torch.zeros(5, h, p, d * vb // 8, dtype=torch.uint8),
-            torch.zeros(5, h, p, d // g), torch.zeros(5, h, p, d // g)]
+            torch.zeros(5, h, p // g, d), torch.zeros(5, h, d, p * vb // 8, dtype=torch.uint8),
+            torch.zeros(5, h, d // g, p), torch.zeros(5, h, d // g, p)]
     k = torch.randn(3, h, g, d)
     v = torch.randn(3, h, g, d)
     ref.quantize_and_write(k, v, torch.tensor([4, 4, 1]), torch.tensor([0, 32, 0]), *pool, kb, vb, g)
