@@ -13,14 +13,19 @@ computed in-kernel from ``lengths[b]``: no host sync) one key group (G tokens) p
 step. Codes are loaded as int32 words and dequantized in registers by
 :mod:`.unpack` (inline PTX on the GPU: prmt/shift/lop3 into the mantissa of 1.0
 and one packed fma with folded scales, ~1.75 instructions per code); keys give one
-``[G, D/planes]`` tile per bit plane, values one ``[G, W]`` tile per sub-tile of
-``W = min(G, D/planes)`` channels (one value group, one accumulator each). Online
-softmax in the exp2 domain. Split ``s = NS`` handles the full-precision residual
-window (attention sinks included) ``res_k/res_v[b, h, :res_lengths[b]]``.
-SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): value pairs (and key pairs for
-64-token groups) hold channels ``(4w + p, 4w + p + 2)`` ("ODD", one shift of the word instead of byte
-shuffles; accumulators and q rows in ``odd_order``); value scales read as int32 words; value tiles
-reach the MMA as 2-wide operands; whole steps run in an unmasked copy of the loop. Each
+``[G, D/planes]`` tile per bit plane (token rows). Values are stored as channel rows
+packed along tokens (:mod:`kivi_cache.quant`): a sub-tile of ``W = min(G, 32)``
+channels (one value group, one accumulator each) gives one ``V^T`` tile
+``[W, step / planes]`` per bit plane whose registers already hold the pairs of
+consecutive tokens the MMA operand needs (ODD pairs of a word: bytes ``q, q + 2``),
+so no tile is transposed through shared memory; each plane's MMA takes the rows
+of ``P^T`` of its tokens (``plane_rows``), and the value scales of two tokens
+come as one int32 load. Online softmax in the exp2 domain. Split ``s = NS`` handles
+the full-precision residual window (attention sinks included)
+``res_k/res_v[b, h, :res_lengths[b]]``.
+SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): key pairs for 64-token groups hold
+channels ``(4w + p, 4w + p + 2)`` ("ODD", one shift of the word instead of byte shuffles; q rows in
+``odd_order``); whole steps run in an unmasked copy of the loop. Each
 program writes its partial ``(max, sum, acc)`` to an fp32 workspace
 ``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg`` 128) only for 32-token steps; the
 paged loop is software-pipelined 5 deep, the residual loop not at all (``_stages``: at fewer stages the

@@ -110,27 +110,6 @@ def fold_pairs_asm(s, z, BITS: tl.constexpr, BF16: tl.constexpr):
     return s, tl.inline_asm_elementwise(ASM, "=r,r,r", [s, z], dtype=tl.int32, is_pure=True, pack=1)
 
 
-def _vpair_asm(hi: int, bits: int, bf16: bool) -> str:
-    """PTX: from $2 = word of scales, $3 = word of zeros (two groups each), half ``hi``: $0 = (s, s),
-    $1 = (z - 2**bits s) twice (one rounding, as ``fold_scale``)."""
-    one = (127 + bits) << 7 if bf16 else (15 + bits) << 10
-    t = "bf16x2" if bf16 else "f16x2"
-    sel = "0x3232" if hi else "0x1010"
-    return "\n".join(["{", ".reg .b32 c, z;", f"prmt.b32 $0, $2, $2, {sel};", f"prmt.b32 z, $3, $3, {sel};",
-                      f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};", f"fma.rn.{t} $1, $0, c, z;", "}"])
-
-
-VPAIR = tl.constexpr({(h, b, f): _vpair_asm(h, b, f) for h in (0, 1) for b in (2, 4) for f in (False, True)})
-
-
-@triton.jit
-def value_pair_asm(sw, zw, HI: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr):
-    """Per token: the (scale, scale) pair and folded (zero, zero) pair of the value group in half ``HI`` of
-    the int32 words ``sw``/``zw`` (two prmt and one packed fma; GPU only)."""
-    return tl.inline_asm_elementwise(VPAIR[(HI, BITS, BF16)], "=r,=r,r,r", [sw, zw], dtype=(tl.int32, tl.int32),
-                                     is_pure=True, pack=1)
-
-
 @triton.jit
 def pack2(lo, hi):
     """Two fp16/bf16 tensors -> int32 with ``lo`` in bits 0-15 and ``hi`` in bits 16-31."""
