@@ -43,9 +43,9 @@ def main(argv=None):
         torch.zeros(n_pages, hkv, p, d * kb // 8, dtype=torch.uint8, device=dev),  # k_codes
         torch.zeros(n_pages, hkv, p // g, d, dtype=dtype, device=dev),  # k_scale
         torch.zeros(n_pages, hkv, p // g, d, dtype=dtype, device=dev),  # k_zero
-        torch.zeros(n_pages, hkv, p, d * vb // 8, dtype=torch.uint8, device=dev),  # v_codes
-        torch.zeros(n_pages, hkv, p, d // g, dtype=dtype, device=dev),  # v_scale
-        torch.zeros(n_pages, hkv, p, d // g, dtype=dtype, device=dev),  # v_zero
+        torch.zeros(n_pages, hkv, d, p * vb // 8, dtype=torch.uint8, device=dev),  # v_codes: channel rows
+        torch.zeros(n_pages, hkv, d // g, p, dtype=dtype, device=dev),  # v_scale (token-contiguous)
+        torch.zeros(n_pages, hkv, d // g, p, dtype=dtype, device=dev),  # v_zero
     ]
     # 2. block tables: pages handed out in any order (here shuffled), -1 where unused
     order = torch.randperm(n_pages).tolist()
