@@ -8,11 +8,15 @@ computes attention from the pages and the residual window. Cases it does not
 serve (sliding windows, soft-capping, attention sinks, dropout, attention
 weights) get the materialized full-precision history and the original
 function: slower, never wrong. Any other implementation (``eager``, flash)
-materializes through the handle the same way.
+materializes through the handle the same way. Attention over a handle is
+host bookkeeping that ``torch.compile`` must not trace: it is
+``torch.compiler.disable``'d (a compiled forward breaks its graph there and runs
+it as plain Python); only a static cache's decode step is traced.
 """
 
 from __future__ import annotations
 
+import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -47,6 +51,13 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
             return layer.attend_static(query, scaling), None
     if not isinstance(key, KVHandle):
         return _original_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+@torch.compiler.disable
+def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
+    not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
     if not _served(module, query, dropout, kwargs):
         return _original_sdpa(module, query, key.materialize(), value.materialize(), attention_mask,
                               dropout=dropout, scaling=scaling, **kwargs)

@@ -19,7 +19,10 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
 Same stored values and attention as ``QuantizedPagedCache`` with the same settings (tested
 token for token). Not supported in static mode: beam search, cropping, several tokens per
 sequence after the first decode step (assisted decoding), growing past ``max_cache_len``. A prompt may
-come in chunks (``generate(..., prefill_chunk_size=)``): each chunk is stored eagerly.
+come in chunks (``generate(..., prefill_chunk_size=)``): each chunk is stored eagerly, also when the forward
+is compiled (generate compiles the chunks' forward too): the cache update and the attention of a step before
+the static mode are ``torch.compiler.disable``'d, so such a step breaks its graph once per layer into plain
+Python and dynamo never traces the bookkeeping.
 Measured on an H200 (Llama-3-8B shape, batch 1, ``generate`` compiling the step with inductor and CUDA
 graphs): 8.8 ms a decode step at 1k context and 9.7 ms at 32k, against 7.8 / 18.4 ms for transformers'
 compiled ``StaticCache`` and ~40-48 ms for eager caches (``eval/results/bench_generate_static*.json``).
@@ -116,17 +119,28 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                 torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.static:
-            if self.seen + key_states.shape[2] >= self.max_cache_len:
-                raise ValueError(f"the prompt ({self.seen + key_states.shape[2]} tokens) does not fit "
-                                 f"max_cache_len={self.max_cache_len} (prompt + new tokens)")
-            return super().update(key_states, value_states, *args, **kwargs)
-        if key_states.shape[2] != 1:
-            if not self.decoding:  # another chunk of the prompt (generate's prefill_chunk_size): eager again
-                self._to_dynamic()
-                return self.update(key_states, value_states, *args, **kwargs)
-            raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step "
-                             "is supported (no assisted decoding or chunked continuation); use QuantizedPagedCache")
+        if self.static and key_states.shape[2] == 1:
+            return self._update_static(key_states, value_states)
+        return self._update_eager(key_states, value_states)
+
+    @torch.compiler.disable
+    def _update_eager(self, key_states, value_states):
+        """The prompt or a chunk of it, through the host bookkeeping. Never traced: generate compiles the forward
+        of every prompt chunk too, and dynamo would otherwise trace (and recompile for each chunk) the lists,
+        page allocation and lazy handles; a compiled chunk breaks its graph here and runs this as plain Python."""
+        if self.static:
+            if self.decoding:
+                raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step "
+                                 "is supported (no assisted decoding or chunked continuation); use "
+                                 "QuantizedPagedCache")
+            self._to_dynamic()  # another chunk of the prompt (generate's prefill_chunk_size): eager again
+        if self.seen + key_states.shape[2] >= self.max_cache_len:
+            raise ValueError(f"the prompt ({self.seen + key_states.shape[2]} tokens) does not fit "
+                             f"max_cache_len={self.max_cache_len} (prompt + new tokens)")
+        return super().update(key_states, value_states)
+
+    def _update_static(self, key_states, value_states):
+        """One token per sequence as tensor operations on fixed shapes: the step torch.compile captures whole."""
         self.decoding = True
         cfg, g, h, d = self.cfg, self.cfg.group_size, self.num_heads, self.head_dim
         dev = key_states.device

@@ -135,3 +135,63 @@ def test_static_with_a_chunked_left_padded_prompt_matches_dynamic():
                                   min_new_tokens=30, do_sample=False, pad_token_id=0, prefill_chunk_size=16)
 
     assert torch.equal(gen(StaticQuantizedPagedCache(model, 128, **CFG)), gen(QuantizedPagedCache(**CFG)))
+
+
+class _RecordingBackend:
+    """aot_eager, remembering for every graph dynamo hands over the source files its operations came from."""
+
+    def __init__(self):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.aot_eager = lookup_backend("aot_eager")
+        self.graph_files = []
+
+    def __deepcopy__(self, memo):  # CompileConfig.to_dict deep-copies its fields: keep one record
+        return self
+
+    def __call__(self, gm, example_inputs):
+        traces = (node.meta.get("stack_trace") or "" for node in gm.graph.nodes)
+        self.graph_files.append({line.split('"')[1] for t in traces for line in t.splitlines() if 'File "' in line})
+        return self.aot_eager(gm, example_inputs)
+
+    def graphs_from(self, path_part: str) -> int:
+        return sum(any(path_part in f for f in files) for files in self.graph_files)
+
+
+def _compiled_generate(model, ids, cache, n, chunk):
+    """generate as on a GPU: its own torch.compile of the forward (prompt chunks included, transformers 5.17),
+    here with the recording aot_eager backend and forced on the CPU."""
+    from transformers import CompileConfig
+
+    backend = _RecordingBackend()
+    config = CompileConfig(backend=backend, mode=None)
+    config._compile_all_devices = True  # generate compiles on accelerators only, unless told otherwise
+    torch._dynamo.reset()
+    out = _generate(model, ids, cache, n=n, prefill_chunk_size=chunk, compile_config=config)
+    return out, backend
+
+
+def test_compiled_generate_with_a_chunked_prompt_matches_eager():
+    """generate compiles every prompt chunk's forward too: the chunks run eagerly inside it, the decode steps
+    compiled through the static path, and the tokens are those of the eager static and dynamic caches."""
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 70), generator=torch.Generator().manual_seed(11))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG), n=20, prefill_chunk_size=16)
+    eager = _generate(model, ids, StaticQuantizedPagedCache(model, 128, **CFG), n=20, prefill_chunk_size=16)
+    cache = StaticQuantizedPagedCache(model, 128, **CFG)
+    out, backend = _compiled_generate(model, ids, cache, n=20, chunk=16)
+    assert torch.equal(eager, ref) and torch.equal(out, ref)
+    assert backend.graphs_from("kivi_cache/static.py") >= 1  # the decode step was compiled, our static update in it
+    assert int(cache.layers[0].q_len.max()) > 0 and cache.layers[0].decoding
+
+
+def test_compiled_chunked_prompt_keeps_dynamo_out_of_the_bookkeeping():
+    """A compiled prompt chunk graph-breaks into the eager cache path instead of tracing it: no compiled graph
+    holds an operation of kivi_cache, and the graphs compiled do not grow with the number of chunks."""
+    model = tiny_llama()
+    seen = {}  # chunks -> (graphs compiled, graphs holding kivi_cache code); n=1: the prompt only, no decode step
+    for chunks in (2, 6):
+        ids = torch.randint(0, 100, (2, 16 * chunks), generator=torch.Generator().manual_seed(chunks))
+        _, backend = _compiled_generate(model, ids, StaticQuantizedPagedCache(model, 128, **CFG), n=1, chunk=16)
+        seen[chunks] = (len(backend.graph_files), backend.graphs_from("kivi_cache/"))
+    assert seen[2][1] == seen[6][1] == 0 and seen[2][0] == seen[6][0], seen
