@@ -194,4 +194,6 @@ def test_compiled_chunked_prompt_keeps_dynamo_out_of_the_bookkeeping():
         ids = torch.randint(0, 100, (2, 16 * chunks), generator=torch.Generator().manual_seed(chunks))
         _, backend = _compiled_generate(model, ids, StaticQuantizedPagedCache(model, 128, **CFG), n=1, chunk=16)
         seen[chunks] = (len(backend.graph_files), backend.graphs_from("kivi_cache/"))
-    assert seen[2][1] == seen[6][1] == 0 and seen[2][0] == seen[6][0], seen
+    # before the fix: {2: (28, 15), 6: (44, 31)}; after: (10-11, 0) for both (one graph more or less with the
+    # order tests run in: dynamo's automatic dynamic shapes), so the growth is bounded, not required to be zero
+    assert seen[2][1] == seen[6][1] == 0 and seen[6][0] <= seen[2][0] + 2, seen
