@@ -59,6 +59,8 @@ from .dequant import dequantize_pages
 from .unpack import (
     fold_pairs_asm,
     fold_scale,
+    join_planes2,
+    join_planes4,
     odd_pairs_asm,
     pack2,
     pack_channel_pairs,
@@ -399,11 +401,29 @@ def _decode_split_kernel(
                         if phase == 1:  # tokens past the end: their scales may be anything (0 * inf)
                             it = tl.arange(0, BLOCK // NV)
                             vt = tl.where((start + (it // 4) * TW + 4 * k + it % 4 < t1)[None, :], vt, 0.0)
-                        pv = tl.dot(vt.to(DT), plane_rows(pd, k, NV), input_precision=PREC)
-                        if k == 0:
-                            pacc = pv
+                        if BLOCK // NV >= 16:  # one MMA per plane with P's rows of its tokens
+                            pv = tl.dot(vt.to(DT), plane_rows(pd, k, NV), input_precision=PREC)
+                            if k == 0:
+                                pacc = pv
+                            else:
+                                pacc += pv
+                        else:  # a plane's tokens are fewer than an MMA's k (16): the planes joined, one MMA
+                            if k == 0:
+                                v0 = vt
+                            elif k == 1:
+                                v1 = vt
+                            elif k == 2:
+                                v2 = vt
+                            else:
+                                v3 = vt
+                    if BLOCK // NV < 16:
+                        if NV == 1:
+                            vall = v0
+                        elif NV == 2:
+                            vall = join_planes2(v0, v1)
                         else:
-                            pacc += pv
+                            vall = join_planes4(v0, v1, v2, v3)
+                        pacc = tl.dot(vall.to(DT), pd, input_precision=PREC)
                     a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(c2, pacc, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
     else:
         rlen = tl.load(rlen_ptr + b).to(tl.int32)

@@ -298,3 +298,20 @@ def token_plane_plain(words, k: tl.constexpr, s_row, z_row, BITS: tl.constexpr):
     tok = (tl.arange(0, words.shape[1])[:, None] * tw + 4 * k + j[None, :])[None, :, :]
     v = c.to(tl.float32) * tl.load(s_row + tok).to(tl.float32) + tl.load(z_row + tok).to(tl.float32)
     return tl.reshape(v, [words.shape[0], 4 * words.shape[1]])
+
+
+@triton.jit
+def join_planes2(v0, v1):
+    """Plane tiles [R, 4 Wd] (token TW w + 4 k + j in order (w, j)) of 2 planes -> [R, 8 Wd] in token order."""
+    x = tl.join(tl.reshape(v0, [v0.shape[0], v0.shape[1] // 4, 4]), tl.reshape(v1, [v1.shape[0], v1.shape[1] // 4, 4]))
+    return tl.reshape(tl.permute(x, (0, 1, 3, 2)), [v0.shape[0], 2 * v0.shape[1]])  # [R, w, k, j]
+
+
+@triton.jit
+def join_planes4(v0, v1, v2, v3):
+    """As :func:`join_planes2` for 4 planes -> [R, 16 Wd] in token order."""
+    r: tl.constexpr = v0.shape[0]
+    wd: tl.constexpr = v0.shape[1] // 4
+    x = tl.join(tl.join(tl.reshape(v0, [r, wd, 4]), tl.reshape(v1, [r, wd, 4])),
+                tl.join(tl.reshape(v2, [r, wd, 4]), tl.reshape(v3, [r, wd, 4])))  # [R, w, j, k0, k1], k = k0 + 2 k1
+    return tl.reshape(tl.permute(x, (0, 1, 4, 3, 2)), [r, 4 * v0.shape[1]])

@@ -61,3 +61,11 @@ def test_decode_kernel_32_token_steps_fit_128_registers():
     print(triton.__version__, r)
     strict = triton.__version__.startswith("3.6")
     assert r["spills"] <= (8 if strict else 64) and r["per_code"] < (3.9 if strict else 5.0)
+
+
+@pytest.mark.parametrize("consts", [("P=32", "BLOCK=32", "KBITS=4", "VBITS=2"), ("G=16", "P=16", "BLOCK=16")])
+def test_decode_kernel_builds_when_a_value_plane_is_under_an_mma_k(consts):
+    """Steps whose value planes hold fewer than 16 tokens (2-bit values in 32-token steps, 4-bit in 16) join
+    the planes into one MMA: the build succeeds (the interpreter does not enforce the MMA's k >= 16)."""
+    r = sass(*consts, maxnreg=128)
+    assert r["hmma"] > 0
