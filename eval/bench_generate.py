@@ -1039,6 +1039,7 @@ def one_max_batch(runner: Runner, ctx, base: dict, cache: str, p: int, budget, p
                ttft_s=res.get("ttft"), peak_bytes=res["peak"], prefill_chunk=res["prefill_chunk"],
                decode_alloc=res.get("decode_alloc"), **res.get("cache_stats", {}))
     maxbatch_rates(row, args.batch_new, args.trial_new)
+    row.update(best_fit_rate(log_trials, args.batch_new))
     if dev.cuda and budget and res["peak"] and res["peak"] > budget:
         row["note"] = "peak above the budget: the memory fraction was not enforced"
     row["status"] = "ok"
@@ -1070,6 +1071,18 @@ def measure_at(runner, ctx, cache, p, lo, tr, row, ran, b1, largest_fit, est_tim
         row.update(skipped)
         return None, None
     return attempt(lambda: run_generate(ctx, cache, lo, p, args.batch_new, keep_cache=True, chunked=True))
+
+
+def best_fit_rate(trials: list[dict], n: int) -> dict:
+    """The best decode rate among a search's fitting trials of ``n`` new tokens (batch / per-step timer): at its
+    largest batch a cache can decode slower than a little below it (allocator retries near the budget, seen
+    with fp16), so throughput ratios should be taken against the best rate within the budget."""
+    rates = [(t["batch"] / t["step_timer"], t["batch"]) for t in trials
+             if t.get("ok") and t.get("new") == n and t.get("step_timer")]
+    if not rates:
+        return {}
+    rate, batch = max(rates)
+    return dict(best_fit_tok_s=rate, best_fit_batch=batch)
 
 
 def maxbatch_rates(row: dict, n: int, m: int) -> dict:

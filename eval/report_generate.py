@@ -43,6 +43,8 @@ def merge(paths: list[str]) -> dict:
                 r["step_timer_s"] = r["step_ms_timer"] / 1e3 if r.get("step_ms_timer") else None
                 r.pop("decode_tok_s_timer", None)
                 bg.maxbatch_rates(r, r["new"], r.get("trial_new", 16))
+            if r.get("case") == "maxbatch" and r.get("status") == "ok" and r.get("search"):
+                r.update(bg.best_fit_rate(r["search"], r["new"]))  # from the recorded trials (64-token ones only)
             shapes = data.get("models", {}).get(r["model"])
             if shapes and r.get("kv_bytes_per_token_theory") is not None:  # arithmetic, recomputed (a fixed
                 # label: runs before session 3 priced Int2PagedCache as 2/2 bits g32 instead of its 4/2 bits g64)

@@ -67,6 +67,8 @@ def test_rows_for_every_cache_and_case(quick_run):
     # trials generate --batch-new tokens by default: the search's trial at the batch found is the measurement
     assert all(r["measured_in_search"] and r["trial_new"] == r["new"] == 6 and r["t_trial_s"] is None for r in mb)
     assert all(r["t_N_s"] == [r["search"][-1]["t"]] for r in mb if r["search"][-1]["batch"] == 4)
+    # the best rate among fitting trials (at least the rate at the batch found: that trial is one of them)
+    assert all(r["best_fit_tok_s"] >= r["decode_tok_s"] * (1 - 1e-9) and r["best_fit_batch"] <= 4 for r in mb)
     # settings, environment, table
     meta = data["meta"]
     for key in ("torch", "transformers", "triton", "device", "quanto"):
@@ -96,6 +98,16 @@ def test_resume_reruns_only_missing_rows(quick_run, tmp_path):
     assert len(new["rows"]) == len(data["rows"])
     row = next(r for r in new["rows"] if r["case"] == "short" and r["cache"] == "kivi-int4")
     assert row["status"] == "ok" and row["decode_tok_s"] > 0
+
+
+def test_best_fit_rate_takes_the_fastest_fitting_trial():
+    mod = _load()
+    trials = [dict(batch=96, ok=True, new=64, step_timer=0.1199), dict(batch=112, ok=True, new=64, step_timer=0.1279),
+              dict(batch=120, ok=True, new=64, step_timer=0.2049), dict(batch=124, ok=False, new=64),
+              dict(batch=200, ok=True, new=16, step_timer=0.1)]  # other token count: not comparable
+    r = mod.best_fit_rate(trials, 64)
+    assert r["best_fit_batch"] == 112 and abs(r["best_fit_tok_s"] - 112 / 0.1279) < 1e-9
+    assert mod.best_fit_rate([], 64) == {}
 
 
 def test_find_max_batch():
