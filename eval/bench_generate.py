@@ -582,12 +582,16 @@ class Runner:
                 self.pending[k], self.pending_src[k] = r, src
         return first
 
-    def stale_pool(self, row: dict, src: dict) -> bool:
-        """A finished kivi max-batch row of this run's caches whose pool was sized by another rule (runs
-        before session 6 preallocated ~2 spare pages per sequence): measured again, not kept."""
-        return (row.get("case") == "maxbatch" and row.get("cache", "").startswith("kivi")
-                and row.get("cache") in (self.args.caches or ()) and not self.args.no_prealloc
+    def other_pool_rule(self, row: dict, src: dict) -> bool:
+        """A kivi row recorded with pools sized by another rule than this run's (runs before session 6
+        preallocated ~2 spare pages per sequence): its trials and measurements do not hold here."""
+        return (row.get("cache", "").startswith("kivi") and not self.args.no_prealloc
                 and src["settings"].get("prealloc_rule") != PREALLOC_RULE)
+
+    def stale_pool(self, row: dict, src: dict) -> bool:
+        """A finished max-batch row of this run's caches with another pool rule: measured again, not kept."""
+        return (row.get("case") == "maxbatch" and row.get("cache") in (self.args.caches or ())
+                and self.other_pool_rule(row, src))
 
     def prior_search(self, key: str, budget) -> tuple[dict | None, str | None]:
         """The recorded search of an unfinished max-batch row, if its trials are valid here, else a note why not."""
@@ -596,8 +600,7 @@ class Runner:
             return None, None
         src, args = self.pending_src[key], self.args
         diffs = [k for k in REUSE_SETTINGS if k in src["settings"] and src["settings"][k] != getattr(args, k)]
-        if (row.get("cache", "").startswith("kivi") and not args.no_prealloc
-                and src["settings"].get("prealloc_rule") != PREALLOC_RULE):
+        if self.other_pool_rule(row, src):
             diffs.append("prealloc_rule")
         if row.get("budget_bytes") != budget:
             diffs.append("budget_bytes")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -62,7 +64,7 @@ class QuantizedPagedCache(Cache):
             _check_int("max_batch_size", max_batch_size, 1)
             _check_int("max_cache_len", max_cache_len, 1)
             pages = max_batch_size * quant_config.pages_per_sequence(max_cache_len)
-            quant_config = QuantConfig(**dict(quant_config.to_dict(), num_pages=pages))
+            quant_config = dataclasses.replace(quant_config, num_pages=pages)
         self.quant_config = quant_config
         if config is not None:
             _check_model_config(config)
