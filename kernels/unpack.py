@@ -270,10 +270,12 @@ def plane_token_tile(p0, p1, DT: tl.constexpr):
 @triton.jit
 def plane_rows(p, k: tl.constexpr, NP: tl.constexpr):
     """Rows T w + 4 k + j of p [BLOCK, N] (T = 4 NP tokens per word) in order of (w, j): [BLOCK / NP, N]."""
-    if NP == 1:
-        return p
     wd: tl.constexpr = p.shape[0] // (4 * NP)
-    if NP == 2:
+    # no early return: Triton's compiler still builds the statements after a constexpr-if's return (their reshapes
+    # then fail for NP == 1, 8-bit values)
+    if NP == 1:
+        r = p
+    elif NP == 2:
         x = tl.permute(tl.reshape(p, [wd, 2, 4, p.shape[1]]), (0, 2, 3, 1))
         a, b = tl.split(x)
         r = a if k == 0 else b

@@ -69,3 +69,10 @@ def test_decode_kernel_builds_when_a_value_plane_is_under_an_mma_k(consts):
     the planes into one MMA: the build succeeds (the interpreter does not enforce the MMA's k >= 16)."""
     r = sass(*consts, maxnreg=128)
     assert r["hmma"] > 0
+
+
+def test_decode_kernel_builds_for_8bit_values_and_one_query_per_head():
+    """8-bit values (one plane per word) with a GQA group of 1: the GPU build once failed here (a reshape after a
+    constexpr-if's early return, which Triton's compiler still builds; the interpreter never sees it)."""
+    r = sass("KBITS=8", "VBITS=8", "GROUP=1", "GP=1", "D=64", "KASM=0", "VASM=0")
+    assert r["spills"] == 0 and r["hmma"] > 0
