@@ -1,8 +1,8 @@
 """quantize_and_write: quantize N key/value groups and write them into their pages.
 
-One launch, grid ``(N, H)``: program ``(n, h)`` reads ``k[n, h]`` and
-``v[n, h]`` (``[G, D]`` each), computes min/max in fp32; zero = min rounded to
-nearest in the storage dtype S, scale = (max - zero) / qmax rounded *up* in S
+One launch, grid ``(N, H, 2)``: program ``(n, h, 0)`` reads ``k[n, h]`` and program
+``(n, h, 1)`` ``v[n, h]`` (``[G, D]`` each; ``KIVI_QUANT_SPLIT=0``: one program does both), computes
+min/max in fp32; zero = min rounded to nearest in the storage dtype S, scale = (max - zero) / qmax rounded *up* in S
 (as :func:`kivi_cache.quant.round_up_to`), and computes the codes from the *rounded* values
 (``floor((x - zero) / scale + 0.5)``, IEEE division, clamped; scale 0 gives
 code 0), packs them (keys planar per token row, values per channel row along tokens: see
@@ -10,6 +10,8 @@ code 0), packs them (keys planar per token row, values per channel row along tok
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -63,18 +65,29 @@ def _quantize_write_kernel(
     s_vcp, s_vch, s_vct,
     s_vsp, s_vsh, s_vst,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr, RECIP: tl.constexpr,
+    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr, RECIP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
+    part = tl.program_id(2)  # SPLIT: program 0 writes the keys, program 1 the values; else program 0 both
     page = tl.load(pages_ptr + n).to(tl.int64)
     slot = tl.load(slots_ptr + n).to(tl.int64)
-    KQ: tl.constexpr = (1 << KBITS) - 1
-    VQ: tl.constexpr = (1 << VBITS) - 1
-    sdt_k = ks_ptr.dtype.element_ty
-    sdt_v = vs_ptr.dtype.element_ty
 
-    # ---- keys: per channel over the G tokens
+    if part == 0:
+        _quantize_keys(k_ptr, kc_ptr, ks_ptr, kz_ptr, n, h, page, slot, s_kn, s_kh, s_kt, s_kcp, s_kch, s_kct,
+                       s_ksp, s_ksh, s_ksg, G, D, KBITS, BUMP_K, RECIP)
+    if part == SPLIT:
+        _quantize_values(v_ptr, vc_ptr, vs_ptr, vz_ptr, n, h, page, slot, s_vn, s_vh, s_vt, s_vcp, s_vch, s_vct,
+                         s_vsp, s_vsh, s_vst, G, D, VBITS, BUMP_V, RECIP)
+
+
+@triton.jit
+def _quantize_keys(k_ptr, kc_ptr, ks_ptr, kz_ptr, n, h, page, slot, s_kn, s_kh, s_kt, s_kcp, s_kch, s_kct,
+                   s_ksp, s_ksh, s_ksg, G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr,
+                   BUMP_K: tl.constexpr, RECIP: tl.constexpr):
+    """Keys: per channel over the G tokens."""
+    KQ: tl.constexpr = (1 << KBITS) - 1
+    sdt_k = ks_ptr.dtype.element_ty
     t = tl.arange(0, G)[:, None]
     d = tl.arange(0, D)[None, :]
     x = tl.load(k_ptr + n.to(tl.int64) * s_kn + h * s_kh + t * s_kt + d).to(tl.float32)
@@ -97,7 +110,14 @@ def _quantize_write_kernel(
     tl.store(kz_ptr + ks_off, zero)
     _pack_store(codes, kc_ptr + page * s_kcp + h * s_kch, (slot + t) * s_kct, G, D, KBITS)
 
-    # ---- values: per token over groups of G channels; tile [G tokens, D // G groups, G channels]
+
+@triton.jit
+def _quantize_values(v_ptr, vc_ptr, vs_ptr, vz_ptr, n, h, page, slot, s_vn, s_vh, s_vt, s_vcp, s_vch, s_vct,
+                     s_vsp, s_vsh, s_vst, G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr,
+                     BUMP_V: tl.constexpr, RECIP: tl.constexpr):
+    """Values: per token over groups of G channels; tile [G tokens, D // G groups, G channels]."""
+    VQ: tl.constexpr = (1 << VBITS) - 1
+    sdt_v = vs_ptr.dtype.element_ty
     NGV: tl.constexpr = D // G
     t3 = tl.arange(0, G)[:, None, None]
     g3 = tl.arange(0, NGV)[None, :, None]
@@ -148,7 +168,8 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
             raise ValueError("pool tensors must have a contiguous last dimension")
     pages = pages.contiguous()
     slots = slots.contiguous()
-    _quantize_write_kernel[(n, h)](
+    split = int(os.environ.get("KIVI_QUANT_SPLIT", 1))
+    _quantize_write_kernel[(n, h, 1 + split)](
         k, v, pages, slots,
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -158,6 +179,6 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
         BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
-        RECIP=k.device.type == "cuda",
-        num_warps=4,
+        RECIP=k.device.type == "cuda", SPLIT=split,
+        num_warps=int(os.environ.get("KIVI_QUANT_WARPS", 4)),
     )

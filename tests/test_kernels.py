@@ -152,6 +152,24 @@ def test_quantize_and_write(kb, vb, dtype):
             or step <= pool_r[1][5, :, 0].float().max().item() * 1.01)
 
 
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_quantize_and_write_programs(monkeypatch, split):
+    """Keys and values in separate programs (the default, KIVI_QUANT_SPLIT=1) or one program for both: the same
+    bytes as the reference, other pages untouched."""
+    monkeypatch.setenv("KIVI_QUANT_SPLIT", split)
+    n, h, g, d, p = 3, 3, 32, 64, 64
+    k = torch.randn(n, h, g, d, device=DEV).to(torch.float16)
+    v = torch.randn(n, h, g, d, device=DEV).to(torch.float16)
+    pages, slots = torch.tensor([2, 0, 2], device=DEV), torch.tensor([0, 32, 32], device=DEV)
+    base = tuple(t.fill_(float("nan")) if t.is_floating_point() else t
+                 for t in make_pool(4, h, p, d, g, 4, 2, torch.float16))
+    pool_k, pool_r = tuple(t.clone() for t in base), tuple(t.clone() for t in base)
+    K.quantize_and_write(k, v, pages, slots, *pool_k, 4, 2, g)
+    R.quantize_and_write(k, v, pages, slots, *pool_r, 4, 2, g)
+    for a, b_ in zip(pool_k, pool_r, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b_.nan_to_num(7.0))
+
+
 def test_quantize_and_write_empty():
     pool = make_pool(2, 1, 32, 64, 32, 4, 4, torch.float16)
     snap = [t.clone() for t in pool]
