@@ -62,6 +62,17 @@ def compile_kernel(const, warps, stages, maxnreg):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def disassemble(kernel):
+    """A compiled kernel's cubin -> (cuobjdump resource usage, nvdisasm SASS text), with Triton's own tools."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cub = os.path.join(tmp, "k.cubin")
+        open(cub, "wb").write(kernel.asm["cubin"])
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cub], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cub], capture_output=True, text=True).stdout
+    return res, sass
+
+
 def loops(sass):
     ins, labels = [], {}
     for line in sass.splitlines():
@@ -93,12 +104,7 @@ def main():
     warps = int(os.environ.get("W", 1))
     k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
-    with tempfile.TemporaryDirectory() as tmp:
-        cub = os.path.join(tmp, "k.cubin")
-        open(cub, "wb").write(k.asm["cubin"])
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cub], capture_output=True,
-                             text=True).stdout
-        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cub], capture_output=True, text=True).stdout
+    res, sass = disassemble(k)
     if os.environ.get("DUMP"):  # env DUMP=prefix: write prefix.sass, prefix.ptx, prefix.ttgir
         for ext, key in (("sass", None), ("ptx", "ptx"), ("ttgir", "ttgir")):
             with open(f"{os.environ['DUMP']}.{ext}", "w") as f:

@@ -56,6 +56,25 @@ def _round_up(r, SDT: tl.constexpr, BUMP: tl.constexpr):
 
 
 @triton.jit
+def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr, BUMP: tl.constexpr,
+                   RECIP: tl.constexpr):
+    """fp32 x quantized over AXIS -> (scale, zero) in SDT and int32 codes computed from the rounded values."""
+    zero = tl.min(x, axis=AXIS).to(SDT)
+    zf = zero.to(tl.float32)
+    span = tl.maximum(tl.max(x, axis=AXIS) - zf, 0.0)
+    if RECIP:  # torch on CUDA divides by a scalar as a multiply by its fp32 reciprocal
+        r = span * (1.0 / QMAX)
+    else:
+        r = tl.math.div_rn(span, tl.full(span.shape, QMAX, tl.float32))
+    scale = _round_up(r, SDT, BUMP)
+    s = tl.expand_dims(scale.to(tl.float32), AXIS)
+    pos = s > 0
+    q = tl.math.div_rn(x - tl.expand_dims(zf, AXIS), tl.where(pos, s, 1.0))
+    q = tl.where(pos, tl.floor(q + 0.5), 0.0)
+    return scale, zero, tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)
+
+
+@triton.jit
 def _quantize_write_kernel(
     k_ptr, v_ptr, pages_ptr, slots_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -73,75 +92,28 @@ def _quantize_write_kernel(
     page = tl.load(pages_ptr + n).to(tl.int64)
     slot = tl.load(slots_ptr + n).to(tl.int64)
 
-    if part == 0:
-        _quantize_keys(k_ptr, kc_ptr, ks_ptr, kz_ptr, n, h, page, slot, s_kn, s_kh, s_kt, s_kcp, s_kch, s_kct,
-                       s_ksp, s_ksh, s_ksg, G, D, KBITS, BUMP_K, RECIP)
-    if part == SPLIT:
-        _quantize_values(v_ptr, vc_ptr, vs_ptr, vz_ptr, n, h, page, slot, s_vn, s_vh, s_vt, s_vcp, s_vch, s_vct,
-                         s_vsp, s_vsh, s_vst, G, D, VBITS, BUMP_V, RECIP)
+    if part == 0:  # keys: per channel over the G tokens
+        t = tl.arange(0, G)[:, None]
+        x = tl.load(k_ptr + n.to(tl.int64) * s_kn + h * s_kh + t * s_kt + tl.arange(0, D)[None, :])
+        scale, zero, codes = _quantize_axis(x.to(tl.float32), 0, (1 << KBITS) - 1, ks_ptr.dtype.element_ty,
+                                            BUMP_K, RECIP)
+        ks_off = page * s_ksp + h * s_ksh + (slot // G) * s_ksg + tl.arange(0, D)
+        tl.store(ks_ptr + ks_off, scale)
+        tl.store(kz_ptr + ks_off, zero)
+        _pack_store(codes, kc_ptr + page * s_kcp + h * s_kch, (slot + t) * s_kct, G, D, KBITS)
 
-
-@triton.jit
-def _quantize_keys(k_ptr, kc_ptr, ks_ptr, kz_ptr, n, h, page, slot, s_kn, s_kh, s_kt, s_kcp, s_kch, s_kct,
-                   s_ksp, s_ksh, s_ksg, G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr,
-                   BUMP_K: tl.constexpr, RECIP: tl.constexpr):
-    """Keys: per channel over the G tokens."""
-    KQ: tl.constexpr = (1 << KBITS) - 1
-    sdt_k = ks_ptr.dtype.element_ty
-    t = tl.arange(0, G)[:, None]
-    d = tl.arange(0, D)[None, :]
-    x = tl.load(k_ptr + n.to(tl.int64) * s_kn + h * s_kh + t * s_kt + d).to(tl.float32)
-    zero = tl.min(x, axis=0).to(sdt_k)
-    zf = zero.to(tl.float32)
-    span = tl.maximum(tl.max(x, axis=0) - zf, 0.0)
-    if RECIP:  # torch on CUDA divides by a scalar as a multiply by its fp32 reciprocal
-        kr = span * (1.0 / KQ)
-    else:
-        kr = tl.math.div_rn(span, tl.full(span.shape, KQ, tl.float32))
-    scale = _round_up(kr, sdt_k, BUMP_K)
-    s = scale.to(tl.float32)[None, :]
-    z = zf[None, :]
-    pos = s > 0
-    q = tl.math.div_rn(x - z, tl.where(pos, s, 1.0))
-    q = tl.where(pos, tl.floor(q + 0.5), 0.0)
-    codes = tl.minimum(tl.maximum(q, 0.0), KQ).to(tl.int32)
-    ks_off = page * s_ksp + h * s_ksh + (slot // G) * s_ksg + tl.arange(0, D)
-    tl.store(ks_ptr + ks_off, scale)
-    tl.store(kz_ptr + ks_off, zero)
-    _pack_store(codes, kc_ptr + page * s_kcp + h * s_kch, (slot + t) * s_kct, G, D, KBITS)
-
-
-@triton.jit
-def _quantize_values(v_ptr, vc_ptr, vs_ptr, vz_ptr, n, h, page, slot, s_vn, s_vh, s_vt, s_vcp, s_vch, s_vct,
-                     s_vsp, s_vsh, s_vst, G: tl.constexpr, D: tl.constexpr, VBITS: tl.constexpr,
-                     BUMP_V: tl.constexpr, RECIP: tl.constexpr):
-    """Values: per token over groups of G channels; tile [G tokens, D // G groups, G channels]."""
-    VQ: tl.constexpr = (1 << VBITS) - 1
-    sdt_v = vs_ptr.dtype.element_ty
-    NGV: tl.constexpr = D // G
-    t3 = tl.arange(0, G)[:, None, None]
-    g3 = tl.arange(0, NGV)[None, :, None]
-    j3 = tl.arange(0, G)[None, None, :]
-    y = tl.load(v_ptr + n.to(tl.int64) * s_vn + h * s_vh + t3 * s_vt + g3 * G + j3).to(tl.float32)
-    vzero = tl.min(y, axis=2).to(sdt_v)
-    vzf = vzero.to(tl.float32)
-    vspan = tl.maximum(tl.max(y, axis=2) - vzf, 0.0)
-    if RECIP:
-        vr = vspan * (1.0 / VQ)
-    else:
-        vr = tl.math.div_rn(vspan, tl.full(vspan.shape, VQ, tl.float32))
-    vscale = _round_up(vr, sdt_v, BUMP_V)
-    vs = vscale.to(tl.float32)[:, :, None]
-    vz = vzf[:, :, None]
-    vpos = vs > 0
-    r = tl.math.div_rn(y - vz, tl.where(vpos, vs, 1.0))
-    r = tl.where(vpos, tl.floor(r + 0.5), 0.0)
-    vcodes = tl.minimum(tl.maximum(r, 0.0), VQ).to(tl.int32)
-    t2 = tl.arange(0, G)[:, None]
-    vs_off = page * s_vsp + h * s_vsh + (slot + t2) + tl.arange(0, NGV)[None, :] * s_vst  # [D // G, P] per page
-    tl.store(vs_ptr + vs_off, vscale)
-    tl.store(vz_ptr + vs_off, vzero)
-    _pack_tokens_store(tl.reshape(vcodes, [G, D]), vc_ptr + page * s_vcp + h * s_vch, slot, s_vct, G, D, VBITS)
+    if part == SPLIT:  # values: per token over groups of G channels; tile [G tokens, D // G groups, G channels]
+        NGV: tl.constexpr = D // G
+        t3 = tl.arange(0, G)[:, None, None]
+        g3 = tl.arange(0, NGV)[None, :, None]
+        y = tl.load(v_ptr + n.to(tl.int64) * s_vn + h * s_vh + t3 * s_vt + g3 * G + tl.arange(0, G)[None, None, :])
+        vscale, vzero, vcodes = _quantize_axis(y.to(tl.float32), 2, (1 << VBITS) - 1, vs_ptr.dtype.element_ty,
+                                               BUMP_V, RECIP)
+        t2 = tl.arange(0, G)[:, None]
+        vs_off = page * s_vsp + h * s_vsh + (slot + t2) + tl.arange(0, NGV)[None, :] * s_vst  # [D // G, P] per page
+        tl.store(vs_ptr + vs_off, vscale)
+        tl.store(vz_ptr + vs_off, vzero)
+        _pack_tokens_store(tl.reshape(vcodes, [G, D]), vc_ptr + page * s_vcp + h * s_vch, slot, s_vct, G, D, VBITS)
 
 
 def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
