@@ -33,11 +33,11 @@ def test_bench_config_row_with_graph_columns_below_threshold():
     mod.bench_config(row, b, hkv, ctx, hq, d, res, g, p, 1 / math.sqrt(d), t_quant, ctx - t_quant,
                      2 * b * hkv * ctx * d * 2, dev, gen, mod.timer(dev), 1e11, 1, True,
                      tm_graph=fake_graph_timer, graph_below=float("inf"))
-    for name in ("int4", "int2", "int2_k4v2g64"):
+    for name in ("int4", "int2", "int2_k4v2g64", "int4_g64"):
         assert row[f"{name}_rel_err"] < 1e-2
         assert row[f"{name}_bytes"] > 0 and row[f"{name}_ms"] > 0
         assert row[f"{name}_graph_speedup"] == 1.0
-    assert len(calls) == 5  # SDPA, three decode configurations, quantize+write
+    assert len(calls) == 6  # SDPA, four decode configurations, quantize+write
     row2 = {}
     mod.bench_config(row2, b, hkv, ctx, hq, d, res, g, p, 1 / math.sqrt(d), t_quant, ctx - t_quant,
                      2 * b * hkv * ctx * d * 2, dev, gen, mod.timer(dev), 1e11, 1, True,
