@@ -317,6 +317,13 @@ def test_decode_head_dim_128():
     run_decode(args, "decode d128 g64")
 
 
+def test_decode_int4_group_64():
+    """4/4 bits with 64-token key groups and 64-channel value groups (two value sub-tiles per group; key codes
+    as ODD pairs on the GPU), GQA 4, a partial last page and a long residual."""
+    args = decode_case(2, 2, 4, 128, 64, 64, 4, 4, torch.float16, [200, 64], [5, 70])
+    run_decode(args, "decode d128 4/4 g64")
+
+
 def test_decode_group_16_page_48():
     # page size that is not a power of two (48 = 3 groups of 16): 16-token tiles, interpreter only;
     # the GPU path refuses pages not divisible by 32 (wrong results were seen there)
