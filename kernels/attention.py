@@ -391,14 +391,24 @@ def _decode_split_kernel(
                         if not HALF:
                             vt = token_plane_plain(words, k, vs_h + page * s_vsp + gs + start % P,
                                                    vz_h + page * s_vsp + gs + start % P, VBITS)
-                        elif VASM:
-                            vt = plane_token_tile(vp[2 * k], vp[2 * k + 1], DT)
                         else:
-                            f0, g0 = _pick4(k, e00, e10, e20, e30), _pick4(k, h00, h10, h20, h30)
-                            f1, g1 = _pick4(k, e01, e11, e21, e31), _pick4(k, h01, h11, h21, h31)
-                            vt = plane_token_tile(pair_emulated(words, k, 0, f0, g0, VBITS, DT, True),
-                                                  pair_emulated(words, k, 1, f1, g1, VBITS, DT, True), DT)
-                        if phase == 1:  # tokens past the end: their scales may be anything (0 * inf)
+                            if VASM:
+                                u0 = vp[2 * k]
+                                u1 = vp[2 * k + 1]
+                            else:
+                                f0, g0 = _pick4(k, e00, e10, e20, e30), _pick4(k, h00, h10, h20, h30)
+                                f1, g1 = _pick4(k, e01, e11, e21, e31), _pick4(k, h01, h11, h21, h31)
+                                u0 = pair_emulated(words, k, 0, f0, g0, VBITS, DT, True)
+                                u1 = pair_emulated(words, k, 1, f1, g1, VBITS, DT, True)
+                            if phase == 1:  # tokens past the end (their scales may be anything: 0 * inf) -> +0.0
+                                # on the packed pairs (pair q of word w: tokens TW w + 4k + 2q + half), not on the
+                                # tile: a select on the tile kept Triton 3.9 from building the MMA operand in
+                                # registers (it went through shared memory)
+                                tw0 = start + ww[None, :] * TW + 4 * k - t1  # < 0: valid
+                                u0 = u0 & (tl.where(tw0 < 0, 0xFFFF, 0) | tl.where(tw0 + 1 < 0, -65536, 0))
+                                u1 = u1 & (tl.where(tw0 + 2 < 0, 0xFFFF, 0) | tl.where(tw0 + 3 < 0, -65536, 0))
+                            vt = plane_token_tile(u0, u1, DT)
+                        if phase == 1 and not HALF:  # tokens past the end: their scales may be anything (0 * inf)
                             it = tl.arange(0, BLOCK // NV)
                             vt = tl.where((start + (it // 4) * TW + 4 * k + it % 4 < t1)[None, :], vt, 0.0)
                         if BLOCK // NV >= 16:  # one MMA per plane with P's rows of its tokens

@@ -170,8 +170,8 @@ def plane(p0, p1, DT: tl.constexpr, CUT: tl.constexpr = False, ASM: tl.constexpr
         if ASM:
             x = _opaque(x)
     else:
-        x = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [N, W, half, pair]
-        x = tl.permute(x, (0, 1, 3, 2))  # [N, W, pair, half]: channel 4w + 2 * pair + half
+        lo, hi = unpack_half(tl.join(p0, p1), DT)  # [N, W, pair]
+        x = tl.join(lo, hi)  # [N, W, pair, half]: channel 4w + 2 * pair + half
     return tl.reshape(x, [p0.shape[0], 4 * p0.shape[1]])
 
 
@@ -239,9 +239,8 @@ def plane_plain(words, k: tl.constexpr, s, z, BITS: tl.constexpr, DT: tl.constex
 @triton.jit
 def _plane_tokens(p0, p1, DT: tl.constexpr):
     """Pairs q = 0, 1 of one plane ([R, Wd] int32, halves h = tokens 2q + h of the plane's 4) -> [R, Wd, 4] DT."""
-    a0, a1 = unpack_half(p0, DT)
-    a2, a3 = unpack_half(p1, DT)
-    x = tl.permute(tl.join(tl.join(a0, a1), tl.join(a2, a3)), (0, 1, 3, 2))  # [R, Wd, q, h]
+    lo, hi = unpack_half(tl.join(p0, p1), DT)  # [R, Wd, q]
+    x = tl.join(lo, hi)  # [R, Wd, q, h]
     return tl.reshape(x, [p0.shape[0], p0.shape[1], 4])
 
 
