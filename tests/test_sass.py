@@ -26,24 +26,25 @@ def sass(*consts, maxnreg=0):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("consts,budget,budget_new", [
+@pytest.mark.parametrize("consts,budget", [
     # per code per lane with the 5-stage pipeline and the token-packed value layout (session 8), Triton 3.6 (the
-    # GPU image, where the kernel is tuned and timed) / 3.9. Newer Triton keeps a loose guard against a blow-up
-    # only; since the t39 unpack (join of the int32 pairs before the halves, phase-1 mask on the pairs) 3.9 keeps
-    # the unpacked operands in registers as 3.6 does (kWidth 4) and is no worse (eval/candidates/T39.md)
-    ((), 3.05, 3.3),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16 (2.87 / 2.83, 0 spills)
-    (("KBITS=4", "VBITS=2", "G=64"), 2.8, 3.9),  # Int2PagedCache shape (2.46 / 2.42)
-    (("KBITS=2", "VBITS=2", "BF16=1"), 3.0, 4.3),  # 2/2 bits, bf16 PTX (2.58 / 2.50)
+    # GPU image, where the kernel is tuned and timed) / 3.9. Since the t39 unpack (join of the int32 pairs before
+    # the halves, phase-1 mask on the pairs) 3.9 keeps the unpacked operands in registers as 3.6 does (kWidth 4)
+    # and is no worse (eval/candidates/T39.md); other versions get a little slack (their register allocation
+    # differs, see the 32-token test below)
+    ((), 3.05),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16 (2.87 / 2.83, 0 spills)
+    (("KBITS=4", "VBITS=2", "G=64"), 2.8),  # Int2PagedCache shape (2.46 / 2.42)
+    (("KBITS=2", "VBITS=2", "BF16=1"), 3.0),  # 2/2 bits, bf16 PTX (2.58 / 2.50)
 ])
-def test_decode_kernel_builds_for_sm90(consts, budget, budget_new):
+def test_decode_kernel_builds_for_sm90(consts, budget):
     import triton
 
     r = sass(*consts)
     print(triton.__version__, consts, r)
-    strict = triton.__version__.startswith("3.6")
-    assert r["spills"] <= (0 if strict else 8)
+    known = triton.__version__.startswith(("3.6", "3.9"))
+    assert r["spills"] <= (0 if known else 4)
     assert r["hmma"] > 0
-    budget = budget if strict else budget_new
+    budget = budget if known else budget * 1.1
     assert r["per_code"] < budget, f"{r['per_code']:.2f} instructions per code per lane (budget {budget})"
     # the next step's copies stay in flight during this step's math: a wait for 0 outstanding copy groups at
     # the top of the loop would expose the load latency once per step (the 3-stage build did: eval/NOTES.md)
