@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as R  # noqa: E402
+from kivi_cache.config import QuantConfig  # noqa: E402
+from kivi_cache.pool import PagePool  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shapes", default="1x8,8x8,8x32,32x32", help="batch x KV heads")
@@ -34,13 +36,9 @@ for shape in args.shapes.split(","):
     pages = torch.arange(b, device="cuda", dtype=torch.int32)
     slots = torch.full((b,), 32, device="cuda", dtype=torch.int32)
 
-    def pool(b=b, h=h):
-        return (torch.zeros(b, h, p, d * kb // 8, dtype=torch.uint8, device="cuda"),
-                torch.zeros(b, h, p // g, d, dtype=torch.float16, device="cuda"),
-                torch.zeros(b, h, p // g, d, dtype=torch.float16, device="cuda"),
-                torch.zeros(b, h, d, p * vb // 8, dtype=torch.uint8, device="cuda"),
-                torch.zeros(b, h, d // g, p, dtype=torch.float16, device="cuda"),
-                torch.zeros(b, h, d // g, p, dtype=torch.float16, device="cuda"))
+    def pool(b=b, h=h):  # zeroed pages of b sequences in the cache's own layout
+        cfg = QuantConfig(key_bits=kb, value_bits=vb, group_size=g, page_size=p, num_pages=b)
+        return PagePool(cfg, h, d, torch.float16, torch.device("cuda")).args()
 
     ref = pool()
     R.quantize_and_write(k, v, pages, slots, *ref, kb, vb, g)

@@ -25,7 +25,7 @@ the full-precision residual window (attention sinks included)
 ``res_k/res_v[b, h, :res_lengths[b]]``.
 SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): key pairs for 64-token groups hold
 channels ``(4w + p, 4w + p + 2)`` ("ODD", one shift of the word instead of byte shuffles; q rows in
-``odd_order``); whole steps run in an unmasked copy of the loop. Each
+that order, ``_qrows``); whole steps run in an unmasked copy of the loop. Each
 program writes its partial ``(max, sum, acc)`` to an fp32 workspace
 ``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg`` 128) only for 32-token steps; the
 paged loop is software-pipelined 5 deep, the residual loop not at all (``_stages``: at fewer stages the
@@ -147,7 +147,7 @@ def _pick4(i: tl.constexpr, x0, x1, x2, x3):
 
 @triton.jit
 def _qrows(q, ODD: tl.constexpr):
-    """q^T rows [DK, GP] in odd_order when ``ODD`` (the key planes' channel order with ODD pairs): row
+    """q^T rows [DK, GP] in the key planes' channel order with ODD pairs when ``ODD``: row
     4w + 2b + a holds channel 4w + 2a + b (a view: reshape and permute)."""
     if ODD:
         q = tl.reshape(tl.permute(tl.reshape(q, [q.shape[0] // 4, 2, 2, q.shape[1]]), (0, 2, 1, 3)), q.shape)

@@ -209,16 +209,9 @@ def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.cons
 def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr,
                    CUT: tl.constexpr = False, ODD: tl.constexpr = False):
     """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``; ``CUT`` as for
-    :func:`plane`, without the asm; ``ODD`` as for ``pairs_asm``: channels in order ``odd_order``)."""
+    :func:`plane`, without the asm; ``ODD`` as for ``pairs_asm``: position 4w + 2p + h holds channel 4w + p + 2h)."""
     return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT, ODD), pair_emulated(words, k, 1, s1, z1, BITS, DT, ODD),
                  DT, CUT, False)
-
-
-@triton.jit
-def odd_order(c):
-    """Channel held at position ``c`` of a plane assembled from ``ODD`` pairs: bits 0 and 1 of c swapped
-    (4w + 2p + h holds channel 4w + p + 2h)."""
-    return (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
 
 
 @triton.jit
@@ -242,20 +235,6 @@ def _plane_tokens(p0, p1, DT: tl.constexpr):
     lo, hi = unpack_half(tl.join(p0, p1), DT)  # [R, Wd, q]
     x = tl.join(lo, hi)  # [R, Wd, q, h]
     return tl.reshape(x, [p0.shape[0], p0.shape[1], 4])
-
-
-@triton.jit
-def token_tile(vp, BITS: tl.constexpr, DT: tl.constexpr):
-    """The ODD pairs of a transposed word tile (``pairs_asm(..., ODD=True)`` outputs, plane-major) -> [R, T Wd] DT
-    in natural token order (token T w + 4 k + 2 q + h)."""
-    if BITS == 4:
-        x = tl.join(_plane_tokens(vp[0], vp[1], DT), _plane_tokens(vp[2], vp[3], DT))  # [R, Wd, 4, k]
-        x = tl.permute(x, (0, 1, 3, 2))
-    else:
-        x = tl.join(tl.join(_plane_tokens(vp[0], vp[1], DT), _plane_tokens(vp[2], vp[3], DT)),
-                    tl.join(_plane_tokens(vp[4], vp[5], DT), _plane_tokens(vp[6], vp[7], DT)))  # [R, Wd, 4, k0, k1]
-        x = tl.permute(x, (0, 1, 4, 3, 2))
-    return tl.reshape(x, [x.shape[0], x.shape[1] * (32 // BITS)])
 
 
 @triton.jit
