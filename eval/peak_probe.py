@@ -31,6 +31,9 @@ ap.add_argument("--prompt", type=int, default=32768)
 ap.add_argument("--new", type=int, default=4)
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--no-expandable", action="store_true")
+ap.add_argument("--snapshot", action="store_true",
+                help="record the CUDA allocator's history per run and print what is live at its peak, by source line")
+ap.add_argument("--top", type=int, default=12, help="with --snapshot: source lines listed per run")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 order = args.order.split(",")
@@ -40,6 +43,48 @@ for name in order:
 
 calls = []
 _sdpa = F.scaled_dot_product_attention
+OURS = ("kivi_cache", "transformers", "bench_generate", "peak_probe", "kernels")
+
+
+def where(frames) -> str:
+    """The innermost Python frame of an allocation that is not torch's own (file tail:line function)."""
+    for f in frames or []:
+        name = f.get("filename", "")
+        if any(k in name for k in OURS):
+            return f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}"
+    return "other: " + ("; ".join(f"{f.get('filename', '').split('/')[-1]}:{f.get('line')}" for f in (frames or [])[:3])
+                        or "no frames")
+
+
+def live_at_peak(snapshot: dict, top: int) -> dict:
+    """Replay the allocator trace (allocations made while recording): the peak of bytes allocated by them, and
+    what was live at that moment grouped by source line (largest first)."""
+    trace = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
+    cur = peak = 0
+    peak_i = -1
+    sizes = {}
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            sizes[ev["addr"]] = ev["size"]
+            cur += ev["size"]
+            if cur > peak:
+                peak, peak_i = cur, i
+        elif ev["action"] == "free_completed" and ev["addr"] in sizes:
+            cur -= sizes.pop(ev["addr"])
+    live = {}
+    for ev in trace[:peak_i + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    groups: dict = {}
+    for ev in live.values():
+        g = groups.setdefault(where(ev.get("frames")), [0, 0])
+        g[0] += ev["size"]
+        g[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(events=len(trace), peak_GiB=peak / 2**30,
+                live_at_peak=[dict(where=k, GiB=v[0] / 2**30, blocks=v[1]) for k, v in rows])
 
 
 def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
@@ -62,12 +107,19 @@ for name in order:
     calls.clear()
     dev.free()
     before = dev.allocated()
+    if args.snapshot and dev.cuda:
+        torch.cuda.memory._record_memory_history(max_entries=500000, stacks="python")
     res = bg.run_generate(ctx, name, 1, args.prompt, args.new)
     row = dict(cache=name, prefill_sdpa_calls=len(calls), first_prefill_call=calls[0] if calls else None)
     if dev.cuda:
         row.update(before_GiB=before / 2**30, peak_GiB=res["peak"] / 2**30,
                    reserved_GiB=torch.cuda.memory_reserved() / 2**30)
         row["peak_above_before_GiB"] = row["peak_GiB"] - row["before_GiB"]
+        if args.snapshot:
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            row["snapshot"] = live_at_peak(snap, args.top)
+            del snap
     rows.append(row)
     print(json.dumps(row), flush=True)
 if args.out:
