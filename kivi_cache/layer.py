@@ -294,7 +294,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
                **kwargs) -> torch.Tensor:
         """Attention for the step's queries ``[B, Hq, L, D]``; returns ``[B, L, Hq, D]``."""
         n = query.shape[2]
-        valid, new_mask = _parse_mask(attention_mask, n, self.batch_size, query.device)
+        valid = _valid_tokens(attention_mask, n, self.batch_size)
         cfg = self.cfg
         bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         if n == 1:
@@ -313,7 +313,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         bt, ql, rl = self._device_state()
         out = ops.paged_prefix_attention(
             query, bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
-            new_k=step.key, new_v=step.value, new_mask=new_mask, sm_scale=scaling, **bits)
+            new_k=step.key, new_v=step.value, sm_scale=scaling, **bits,
+            new_mask=_chunk_visibility(attention_mask, n, self.batch_size, query.device))
         self.commit(step, valid)
         return out.transpose(1, 2)
 
@@ -489,13 +490,25 @@ def query_len(query_length) -> int:
     return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
 
 
-def _parse_mask(mask, n: int, batch: int, device):
-    """From the model's 4-D mask, the new tokens that are real (``[B, n]``, None if all) and the
-    chunk-internal visibility ``[B, n, n]`` (True = may attend)."""
+def _valid_tokens(mask, n: int, batch: int):
+    """From the model's 4-D mask, the new tokens that are real (``[B, n]``; None if all are, or no mask).
+    Reduces the mask's last ``n x n`` block without materializing it (at a 32k prompt an ``n x n`` bool is 1 GiB)."""
     if mask is None:
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        return None, causal.expand(batch, n, n)
-    m = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    cols = m[:, 0, -n:, -n:].expand(batch, n, n)
-    valid = cols.any(dim=1)
-    return (None if bool(valid.all()) else valid), cols
+        return None
+    cols = mask[:, 0, -n:, -n:]
+    if mask.dtype == torch.bool:
+        valid = cols.any(dim=1)
+    else:
+        valid = cols.amax(dim=1) > torch.finfo(mask.dtype).min / 2
+    valid = valid.expand(batch, n)
+    return None if bool(valid.all()) else valid
+
+
+def _chunk_visibility(mask, n: int, batch: int, device):
+    """The chunk-internal visibility ``[B, n, n]`` (True = may attend): causal without a mask. Only a chunk of
+    several tokens on a filled cache needs it (``paged_prefix_attention``)."""
+    if mask is None:
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch, n, n)
+    m = mask[:, 0, -n:, -n:]
+    m = m if mask.dtype == torch.bool else m > torch.finfo(mask.dtype).min / 2
+    return m.expand(batch, n, n)

@@ -153,6 +153,39 @@ def test_padded_batch_gives_same_tokens_as_alone(bits):
         assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(p):]), i
 
 
+def test_prompt_and_decode_never_build_an_n_by_n_visibility(monkeypatch):
+    """A prompt on an empty cache (padded or not) and the one-token steps only need which tokens are real: the
+    [B, n, n] chunk visibility (1 GiB of bool at a 32k prompt, found live at the peak on the H200,
+    eval/results/peak_probe_llama2_s9.json) is built only for a chunk on a filled cache."""
+    from kivi_cache import layer as L
+
+    built = []
+    real = L._chunk_visibility
+    monkeypatch.setattr(L, "_chunk_visibility", lambda *a: built.append(a[1]) or real(*a))
+    model = tiny_qwen2()
+    ids, mask = _left_pad([torch.randint(1, 128, (n,)).tolist() for n in (37, 70)])
+    gen(model, ids, QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL), attention_mask=mask)
+    gen(model, torch.randint(0, 128, (1, 60)), QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL))
+    assert built == []
+    with torch.no_grad():  # a 9-token chunk on a filled cache does need it (and gets it)
+        cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+        for s in (0, 60):
+            model(torch.randint(0, 128, (1, 60 if s == 0 else 9)), **cache_kwargs(model, cache))
+    assert built == [9] * len(cache.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_valid_tokens_reads_padding_from_bool_and_additive_masks(dtype):
+    from kivi_cache.layer import _chunk_visibility, _valid_tokens
+
+    real = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    vis = torch.ones(5, 5, dtype=torch.bool).tril()[None] & real[:, None, :]
+    mask = vis[:, None] if dtype == torch.bool else torch.where(vis, 0.0, torch.finfo(dtype).min)[:, None]
+    assert torch.equal(_valid_tokens(mask, 5, 2), real)
+    assert torch.equal(_chunk_visibility(mask, 5, 2, "cpu"), vis)
+    assert _valid_tokens(mask[1:], 5, 1) is None and _valid_tokens(None, 5, 2) is None
+
+
 def test_continued_generation_chunk_over_quantized_past():
     """A second generate call feeds a multi-token chunk on top of a filled cache (paged prefix attention)."""
     model = tiny_llama()
