@@ -452,6 +452,7 @@ def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_c
     dev.free()
     dev.reset_peak()
     dev.sync()
+    held = dev.allocated()  # weights plus whatever the process still holds (e.g. compiled runs' graph pools)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
@@ -459,7 +460,8 @@ def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_c
                              stopping_criteria=StoppingCriteriaList([timer]), **extra)
     dev.sync()
     t = time.perf_counter() - t0
-    res = {"t": t, "peak": dev.peak(), "generated": int(out.shape[1] - prompt), "prefill_chunk": chunk}
+    res = {"t": t, "peak": dev.peak(), "held_before": held, "generated": int(out.shape[1] - prompt),
+           "prefill_chunk": chunk}
     del out
     stamps = timer.times
     if stamps:
@@ -674,7 +676,7 @@ def batch1_phase(runner: Runner, ctx, mname: str, bar):
         # cost of one measurement: t_N + t_1
         step = res.get("step_timer") or 0.0
         est = 2 * res.get("ttft", res["t"]) + (n - 1) * step
-        meas[(case, cache)] = dict(base=base, tN=[], t1=[], peakN=[], peak1=[], timerN=[], ttft=[], est=est,
+        meas[(case, cache)] = dict(base=base, tN=[], t1=[], peakN=[], heldN=[], peak1=[], timerN=[], ttft=[], est=est,
                                    stats=None, errors=[], warmup_s=res["t"])
         alive.append((case, cache, p, n))
     # static caches again: a compiled step is re-traced when another configuration's warm-up changed what its
@@ -708,6 +710,7 @@ def batch1_phase(runner: Runner, ctx, mname: str, bar):
                 m["stats"] = res.get("cache_stats")
             m["tN"].append(res["t"])
             m["peakN"].append(res["peak"])
+            m["heldN"].append(res["held_before"])
             m["timerN"].append(res.get("step_timer"))
             m["ttft"].append(res.get("ttft"))
             res1, err = attempt(lambda c=cache, p=p, n=n: run_generate(ctx, c, 1, p, 1, cache_len=p + n))
@@ -727,6 +730,7 @@ def batch1_phase(runner: Runner, ctx, mname: str, bar):
                        decode_tok_s=None if not step or step <= 0 else 1 / step,
                        e2e_tok_s=n / tn, step_ms_timer=None if med(m["timerN"]) is None else med(m["timerN"]) * 1e3,
                        peak_bytes=max(m["peakN"]) if dev.cuda else None,
+                       held_before_bytes=m["heldN"][m["peakN"].index(max(m["peakN"]))] if dev.cuda else None,
                        peak_prefill_bytes=max(m["peak1"]) if dev.cuda and m["peak1"] else None)
             row.update(m["stats"] or {})
         if m["errors"]:
@@ -783,10 +787,14 @@ def memory_arithmetic(runner: Runner, ctx, row: dict):
     kind = "allocated, memory_report()" if row["cache"].startswith("kivi") else "held"
     line = (f"memory @ b={row['batch']}, {row['prompt']}+{row['new']} tokens, {row['model']} {row['cache']}: "
             f"weights {human(w)} + KV {human(kv)} ({kind}) + activations ~{human(act)} (est.) = {human(w + kv + act)}")
+    held = row.get("held_before_bytes")
+    other = max(0, held - w) if held else 0  # allocations the process held before this generate besides weights
     if peak:
-        line += f"; measured peak {human(peak)} (unexplained {human(peak - w - kv - act)})"
+        line += f"; measured peak {human(peak)} (unexplained {human(peak - w - kv - act - other)}"
+        line += f", after {human(other)} held before the generate besides the weights)" if held else ")"
     runner.memory_lines.append(line)
-    row["memory_arithmetic"] = dict(weights=w, kv=kv, activations_est=act, sum=w + kv + act, measured_peak=peak)
+    row["memory_arithmetic"] = dict(weights=w, kv=kv, activations_est=act, sum=w + kv + act, measured_peak=peak,
+                                    held_before=held, held_before_besides_weights=other)
     log(line)
 
 
