@@ -9,7 +9,8 @@ kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending de
          KIVI_DECODE_STAGES or 5; the consts PSTAGES=/RSTAGES= override the loops' depths),
          R (maxnreg, default KIVI_DECODE_MAXNREG or 0 = none; the kernel caps 32-token steps at 128, which this
          script does not: pass R=128 there),
-         DUMP=prefix (write prefix.sass/.ptx/.ttgir)
+         DUMP=prefix (write prefix.sass/.ptx/.ttgir), REDUCE=1 (build the merge kernel instead: consts D, DB, BS,
+         BM, PDL)
     The last line printed is a JSON summary (used by tests/test_sass.py): spills = STL/LDL in the paged loop,
     spills_total = in the whole kernel, warps_per_sm = resident warps the registers allow (steps of 4 on sm_90:
     8 at 169-256 registers, 12 at 129-168, 16 at <= 128).
@@ -101,6 +102,7 @@ def main():
     st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
+    const.setdefault("PDL", 0)  # a constexpr with a default: unnamed here it would be built as an i32 argument
     warps = int(os.environ.get("W", 1))
     k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
@@ -132,8 +134,22 @@ def main():
     print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
                           shared=smem, loop_waits=waits, spills_total=total,
                           loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
-                          hmma=sum(v for k, v in c.items() if k.startswith("HMMA")))))
+                          hmma=sum(v for k, v in c.items() if k.startswith("HMMA")),
+                          griddepcontrol=k.asm["ptx"].count("griddepcontrol."))))
+
+
+def reduce_main():
+    """``REDUCE=1``: build the merge kernel instead (consts D, DB, BS, BM, PDL); JSON with its PTX's
+    griddepcontrol count."""
+    const = dict(D=128, DB=32, BS=128, BM=256, PDL=0)
+    const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
+    fn = attention._decode_reduce_kernel
+    sig = {n: ("*fp32" if n.endswith("_ws") else "*fp16" if n == "out_ptr" else
+               "constexpr" if n in const else "i32") for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={n: const[n] for n in fn.arg_names if n in const})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    print(json.dumps(dict(griddepcontrol=k.asm["ptx"].count("griddepcontrol."))))
 
 
 if __name__ == "__main__":
-    main()
+    reduce_main() if os.environ.get("REDUCE") == "1" else main()

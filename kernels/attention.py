@@ -53,6 +53,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
 from .dequant import dequantize_pages
@@ -240,6 +241,7 @@ def _decode_split_kernel(
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
     PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (_pdl(): 0 off, 1 reduce overlaps, 2 also this kernel)
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -247,6 +249,10 @@ def _decode_split_kernel(
     channels (``S = sum_k Q_k K_k^T``), values in sub-tiles of ``W = min(G, DV)`` channels, one
     accumulator each (``acc_i += P V_i``), so every value sub-tile lies inside one value group and
     one plane and its per-token scales broadcast from a ``[G, 1, 1]`` tile."""
+    if PDL >= 2:  # launched early (programmatic dependent launch): wait for the kernels before it
+        gdc_wait()
+    if PDL >= 1:  # the merge kernel may launch (and wait) once every program of this one has started
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // Hkv
@@ -466,10 +472,14 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
-                          D: tl.constexpr, DB: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
+                          D: tl.constexpr, DB: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+                          PDL: tl.constexpr = 0):
     """Program (row, dc): channels ``[dc * DB, (dc + 1) * DB)`` of one (sequence, query head).
     The global max and the sum of weights come from one load of all ``NSP1`` (<= BM) partial maxima,
-    so the accumulation loop has no running rescale and its loads do not wait on each other."""
+    so the accumulation loop has no running rescale and its loads do not wait on each other.
+    ``PDL``: launched while the split kernel still runs; waits here until its partials are written."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     dc = tl.program_id(1)
     b = row // Hq
@@ -494,7 +504,7 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
+def decode_reduce(ws_m, ws_l, ws_o, out, hq: int, pdl: int = 0) -> None:
     """Merge ``ws_*`` (``[B * Hq, NS + 1(, D)]`` fp32 partial max / sum / output) into ``out`` ``[B, Hq, D]``.
     Grid ``(B * Hq, D / DB)``: batch 1 still gets ``Hq * D / 32`` programs (one per row was 32 serial
     programs at batch 1, each looping over hundreds of splits)."""
@@ -506,7 +516,18 @@ def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
     _decode_reduce_kernel[(rows, d // db)](
         ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq,
         D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4,
+        **({"PDL": 1, "launch_pdl": True} if pdl else {}),
     )
+
+
+def _pdl(device) -> int:
+    """Programmatic dependent launch (sm_90+, env ``KIVI_DECODE_PDL``; off by default until measured): 1 = the
+    merge kernel is launched while the split kernel runs and waits on the device (its launch latency hidden),
+    2 = the split kernel too is launched early and waits for the kernel before it."""
+    n = int(os.environ.get("KIVI_DECODE_PDL", 0))
+    if not n or interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return 0
+    return min(n, 2)
 
 
 def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
@@ -682,6 +703,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     rkey = (q.device.index, *meta.items())
     ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
                                     _RESIDENT.get(rkey, RESIDENT_DEFAULT))
+    pdl = _pdl(q.device)
     ws_m = torch.empty(bsz * hq, ns + 1, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_o = torch.empty(bsz * hq, ns + 1, d, dtype=torch.float32, device=q.device)
@@ -698,11 +720,11 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         v_scale.stride(0), v_scale.stride(1),
         res_k.stride(0), res_k.stride(1), res_k.stride(2),
         res_v.stride(0), res_v.stride(1), res_v.stride(2),
-        **meta,
+        **meta, **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}),
     )
     if rkey not in _RESIDENT and not interp:
         _RESIDENT[rkey] = _resident_of(kernel, q.device) or RESIDENT_DEFAULT
-    decode_reduce(ws_m, ws_l, ws_o, out, hq)
+    decode_reduce(ws_m, ws_l, ws_o, out, hq, pdl)
     return out
 
 
