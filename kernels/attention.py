@@ -480,6 +480,7 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     ``PDL``: launched while the split kernel still runs; waits here until its partials are written."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()  # a kernel launched after this one with PDL may start its prologue
     row = tl.program_id(0).to(tl.int64)
     dc = tl.program_id(1)
     b = row // Hq
