@@ -186,6 +186,41 @@ def test_valid_tokens_reads_padding_from_bool_and_additive_masks(dtype):
     assert _valid_tokens(mask[1:], 5, 1) is None and _valid_tokens(None, 5, 2) is None
 
 
+def test_padding_flags_are_read_back_once_per_forward_not_per_layer(monkeypatch):
+    """Deciding that a step's tokens are all real reads a flag from the device; for a padded batch that was a
+    sync per layer and step on a GPU. Every layer of a forward gets the same mask tensor, so it is read once."""
+    import inspect
+
+    from kivi_cache import layer as L
+
+    reads = []
+    real_any = torch.Tensor.any
+
+    def counting_any(self, *a, **k):
+        if inspect.stack()[1].filename == L.__file__:
+            reads.append(1)
+        return real_any(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "any", counting_any)
+    model = tiny_llama(layers=3)
+    ids, mask = _left_pad([torch.randint(1, 128, (n,)).tolist() for n in (20, 33)])
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    out = gen(model, ids, cache, attention_mask=mask)
+    forwards = out.shape[1] - ids.shape[1]  # the prompt's forward and one per new token after the first
+    assert 0 < len(reads) <= forwards, (len(reads), forwards)
+
+
+def test_padding_flag_memo_follows_in_place_changes_of_the_mask():
+    from kivi_cache.layer import _valid_tokens
+
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    assert _valid_tokens(mask, 1, 2) is None
+    mask[1, 0, 0, -1] = False  # the same tensor, modified: not the remembered answer
+    assert torch.equal(_valid_tokens(mask, 1, 2), torch.tensor([[True], [False]]))
+    other = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    assert _valid_tokens(other, 1, 2) is None
+
+
 def test_continued_generation_chunk_over_quantized_past():
     """A second generate call feeds a multi-token chunk on top of a filled cache (paged prefix attention)."""
     model = tiny_llama()
