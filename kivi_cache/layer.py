@@ -92,11 +92,17 @@ class QuantizedPagedLayer(CacheLayerMixin):
             # through numpy, not torch.tensor on nested lists (892 sequences: 1.05 -> 0.42 ms, eval/host_probe.py)
             bt = np.array([t if len(t) == width else t + [-1] * (width - len(t)) for t in self.tables], dtype=np.int32)
             self._dev = (
-                torch.from_numpy(bt.reshape(len(self.tables), width)).to(self.device),
-                torch.from_numpy(np.array(self.q_lens, dtype=np.int32)).to(self.device),
-                torch.from_numpy(np.array(self.r_lens, dtype=np.int32)).to(self.device),
+                self._upload(bt.reshape(len(self.tables), width)),
+                self._upload(np.array(self.q_lens, dtype=np.int32)),
+                self._upload(np.array(self.r_lens, dtype=np.int32)),
             )
         return self._dev
+
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        """A host array on the cache's device without a stream sync: torch's blocking copy from pageable memory
+        waits for the GPU to finish its queue (5 such copies per layer at every flush), while a non-blocking one
+        is staged by the CUDA driver before the call returns (the temporary may be freed at once)."""
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
 
     # ----------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -257,8 +263,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         cfg = self.cfg
         ops.quantize_and_write(
             k_groups.contiguous(), v_groups.contiguous(),
-            torch.tensor(pages, dtype=torch.int32).to(self.device),
-            torch.tensor(slots, dtype=torch.int32).to(self.device),
+            self._upload(np.array(pages, dtype=np.int32)),
+            self._upload(np.array(slots, dtype=np.int32)),
             *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         self._dev = None
 
