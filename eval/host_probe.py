@@ -37,13 +37,14 @@ def main():
     layer = cache.layers[0]
     layer.commit(layer.pending)
     one = torch.randn(b, 1, 1, 32)
-    steps = []
+    steps, flushes = [], []
     for _ in range(args.steps):
+        q0 = layer.q_lens[0]
         t0 = time.perf_counter()
         cache.update(one, one, 0)
         layer.commit(layer.pending)
         layer._device_state()
-        steps.append(time.perf_counter() - t0)
+        (flushes if layer.q_lens[0] != q0 else steps).append(time.perf_counter() - t0)
     builds = []
     for _ in range(20):
         layer._dev = None
@@ -52,6 +53,7 @@ def main():
         builds.append(time.perf_counter() - t0)
     res = dict(batch=b, prompt=args.prompt, pages_per_sequence=len(layer.tables[0]),
                step_us_median=statistics.median(steps) * 1e6, step_us_max=max(steps) * 1e6,
+               flush_step_ms=[round(x * 1e3, 3) for x in flushes],
                block_table_build_ms_median=statistics.median(builds) * 1e3,
                machine=dict(platform=platform.platform(), processor=platform.processor(), torch=torch.__version__,
                             python=platform.python_version(), kivi_cache=kivi_cache.__version__, threads=1))

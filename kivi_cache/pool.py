@@ -73,6 +73,15 @@ class PagePool:
         self.refcount[page] = 1
         return page
 
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` pages, the same ids (and order) as ``n`` calls of :meth:`allocate`."""
+        self.reserve(n)
+        out = self.free[len(self.free) - n:][::-1]
+        del self.free[len(self.free) - n:]
+        for page in out:
+            self.refcount[page] = 1
+        return out
+
     def share(self, pages) -> None:
         for page in pages:
             self.refcount[page] += 1

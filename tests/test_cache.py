@@ -221,6 +221,37 @@ def test_padding_flag_memo_follows_in_place_changes_of_the_mask():
     assert _valid_tokens(other, 1, 2) is None
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_flush_fast_path_matches_the_per_sequence_loop(monkeypatch, shared):
+    """A uniform batch's flush reserves one group for every sequence in one go; the page ids, tables, lengths and
+    stored bytes equal the per-sequence loop's, also where sequences share pages (copy-on-write)."""
+    from kivi_cache import layer as L
+
+    def run(fast):
+        if not fast:
+            monkeypatch.setattr(L.QuantizedPagedLayer, "_reserve_one_group_each", lambda self: None)
+        torch.manual_seed(0)
+        cache = QuantizedPagedCache(key_bits=4, value_bits=4, group_size=16, residual_length=16, page_size=48)
+        k = torch.randn(3, 2, 60, 32)  # 32 quantized tokens: page 0 is partly filled when the beams share it
+        cache.update(k, k.flip(-1), 0)
+        layer = cache.layers[0]
+        layer.commit(layer.pending)
+        if shared:
+            cache.batch_repeat_interleave(2)  # beams share every page: the next writes copy on write
+        for _ in range(100):  # flushes into fresh and partly filled pages
+            one = torch.randn(layer.batch_size, 2, 1, 32)
+            cache.update(one, -one, 0)
+            layer.commit(layer.pending)
+        monkeypatch.undo()
+        return layer
+
+    a, b = run(True), run(False)
+    assert a.tables == b.tables and a.q_lens == b.q_lens and a.pool.free == b.pool.free
+    assert a.pool.refcount == b.pool.refcount
+    for x, y in zip(a.pool.args(), b.pool.args(), strict=True):
+        assert torch.equal(x, y)
+
+
 def test_continued_generation_chunk_over_quantized_past():
     """A second generate call feeds a multi-token chunk on top of a filled cache (paged prefix attention)."""
     model = tiny_llama()
