@@ -542,9 +542,12 @@ def _valid_tokens(mask, n: int, batch: int):
     forward instead of one per layer (32 per decode step of a padded batch on a GPU)."""
     if mask is None:
         return None
-    key = (id(mask), mask._version, mask.data_ptr(), tuple(mask.shape), n, batch)
+    try:
+        key = (id(mask), mask._version, mask.data_ptr(), tuple(mask.shape), n, batch)
+    except RuntimeError:  # an inference-mode tensor has no version counter: no memo (a sync per layer)
+        key = None
     ref, last_key, last = _LAST_VALID
-    if last_key == key and ref is not None and ref() is mask:
+    if key is not None and last_key == key and ref is not None and ref() is mask:
         return last
     cols = mask[:, 0, -n:, -n:]
     if mask.dtype == torch.bool:
@@ -554,7 +557,7 @@ def _valid_tokens(mask, n: int, batch: int):
     valid = valid.expand(batch, n)
     valid = None if bool(valid.all()) else valid
     try:
-        _LAST_VALID[:] = [weakref.ref(mask), key, valid]
+        _LAST_VALID[:] = [weakref.ref(mask), key, valid] if key is not None else [None, None, None]
     except TypeError:  # a tensor subclass without weak references: no memo
         _LAST_VALID[:] = [None, None, None]
     return valid

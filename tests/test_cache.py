@@ -252,6 +252,17 @@ def test_flush_fast_path_matches_the_per_sequence_loop(monkeypatch, shared):
         assert torch.equal(x, y)
 
 
+def test_padded_batch_under_inference_mode():
+    """Inference-mode tensors have no version counter (the padding-flag memo keys on it): same tokens as no_grad."""
+    model = tiny_qwen2()
+    ids, mask = _left_pad([torch.randint(1, 128, (n,)).tolist() for n in (20, 41)])
+    ref = gen(model, ids, QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL), attention_mask=mask)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, QuantizedPagedCache(
+            key_bits=4, value_bits=4, **SMALL)), **GEN)
+    assert torch.equal(out, ref)
+
+
 def test_continued_generation_chunk_over_quantized_past():
     """A second generate call feeds a multi-token chunk on top of a filled cache (paged prefix attention)."""
     model = tiny_llama()
