@@ -99,10 +99,14 @@ class QuantizedPagedLayer(CacheLayerMixin):
         return self._dev
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
-        """A host array on the cache's device without a stream sync: torch's blocking copy from pageable memory
-        waits for the GPU to finish its queue (5 such copies per layer at every flush), while a non-blocking one
-        is staged by the CUDA driver before the call returns (the temporary may be freed at once)."""
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+        """A host array on the cache's device without a stream sync. torch's blocking copy from pageable memory
+        ends in a stream synchronize (5 such copies per layer at every flush), and an async copy from pageable
+        memory may still sync in the driver; so the array goes through pinned memory from torch's caching host
+        allocator, which keeps the block until the copy has run."""
+        t = torch.from_numpy(a)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ----------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
