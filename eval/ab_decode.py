@@ -39,6 +39,10 @@ args = ap.parse_args()
 
 def bench(fn):
     if args.graph:
+        # do_bench_cudagraph's first call runs on a new stream that does not wait for the default stream: without
+        # this sync it read a pool that make_pool was still writing (session 10: an illegal address from the stale
+        # block-table memory, gone under CUDA_LAUNCH_BLOCKING=1)
+        torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 

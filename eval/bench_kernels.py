@@ -60,6 +60,7 @@ def timer(device, graph=False):
     if device.type == "cuda" and graph:
         def t(fn):  # GPU time only: the calls captured in a CUDA graph and replayed (no launch overhead)
             fn()
+            torch.cuda.synchronize()  # do_bench_cudagraph warms up on a new stream that does not wait for ours
             return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
     elif device.type == "cuda":
         def t(fn):
