@@ -8,7 +8,9 @@ with ``--poison`` (a page id far outside the pool) and runs ``paged_decode_atten
 forced split counts), one case per subprocess (an illegal access kills the CUDA context). Layouts:
 ``tail`` (the table is a view whose storage ends right after the last row, poison after it), ``rowpad`` (every
 row has poisoned slack after its pages), ``ragged`` (random lengths per sequence, poisoned past each; outputs
-also compared with the torch reference). Usage:
+also compared with the torch reference, which gathers every entry: it gets the table with the poison replaced by
+page 0). Session 10 (`eval/results/oob_probe_s10.json`, before that fix: the ragged rows' failures were the
+reference's out-of-range gather) found no read of a poisoned entry. Usage:
     python eval/oob_probe.py [--out oob.json]
 """
 
@@ -70,7 +72,8 @@ def child(bits: str, layout: str, poison: int, splits: list[int]) -> None:
                 torch.cuda.synchronize()
             line = dict(bits=bits, layout=layout, shape=shape, splits=ns, ok=True)
             if layout == "ragged" and ns is None and b <= 8:
-                ref = REF.paged_decode_attention(*args).float()
+                ok_bt = torch.where(pool["block_table"] == poison, 0, pool["block_table"])  # ref gathers all
+                ref = REF.paged_decode_attention(args[0], ok_bt, *args[2:]).float()
                 line["rel_err"] = float((out.float() - ref).norm() / ref.norm())
             print("ROW " + json.dumps(line), flush=True)
 

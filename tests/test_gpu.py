@@ -157,3 +157,47 @@ def test_decode_steps_never_synchronize_the_gpu_from_the_cache():
         # a padded batch reads its real-token flags back once per forward (the first layer's call)
         allowed = 40 if padded else 0
         assert len(ours) <= allowed, ours
+
+
+@pytest.mark.parametrize("bits", [(4, 4, 32), (2, 2, 32), (4, 2, 64), (4, 4, 64)])
+def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
+    """The pipelined paged loop prefetches steps ahead; a block-table entry past a sequence's pages (the cache
+    pads rows with -1, a caller may leave anything there) must never be used as a page id. Ragged lengths (0,
+    1, odd, long), every entry past each sequence's pages poisoned with a page id far outside the pool, default
+    and forced split counts; the output matches the reference computed on the same table with the poison
+    replaced by a valid id (the reference gathers every entry)."""
+    from kivi_cache import kernels as KK
+    from kivi_cache import reference as REF
+
+    kb, vb, g = bits
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    p, d, hkv, hq = 64, 128, 4, 16
+    lengths = torch.tensor([9000, 0, 1, 3001, 64, 12345], dtype=torch.int32, device="cuda")
+    need = [-(-int(n) // p) for n in lengths.tolist()]
+    width = max(need) + 5
+    np_ = sum(need) + 2
+    perm = torch.randperm(np_, device="cuda", generator=gen).to(torch.int32)
+    bt = torch.full((len(need), width), 0x3FFFFFFF, dtype=torch.int32, device="cuda")
+    i = 0
+    for row, n in enumerate(need):
+        bt[row, :n] = perm[i:i + n]
+        i += n
+    kc = torch.randint(0, 256, (np_, hkv, p, d * kb // 8), dtype=torch.uint8, device="cuda", generator=gen)
+    vc = torch.randint(0, 256, (np_, hkv, d, p * vb // 8), dtype=torch.uint8, device="cuda", generator=gen)
+    ks = torch.rand(np_, hkv, p // g, d, device="cuda", generator=gen).half() * (2.0 / (1 << kb))
+    kz = torch.randn(np_, hkv, p // g, d, device="cuda", generator=gen).half() - 1.0
+    vs = torch.rand(np_, hkv, d // g, p, device="cuda", generator=gen).half() * (2.0 / (1 << vb))
+    vz = torch.randn(np_, hkv, d // g, p, device="cuda", generator=gen).half() - 1.0
+    b = len(need)
+    q = torch.randn(b, hq, d, device="cuda", generator=gen).half()
+    rk = torch.randn(b, hkv, 160, d, device="cuda", generator=gen).half()
+    rv = torch.randn(b, hkv, 160, d, device="cuda", generator=gen).half()
+    rl = torch.tensor([100, 5, 160, 0, 1, 77], dtype=torch.int32, device="cuda")
+    tail = (kc, ks, kz, vc, vs, vz, rk, rv, rl, kb, vb, g, 0.088)
+    ref = REF.paged_decode_attention(q, torch.where(bt == 0x3FFFFFFF, 0, bt), lengths, *tail).float()
+    for ns in (None, 1, 7, 64):
+        out = KK.paged_decode_attention(q, bt, lengths, *tail, num_splits=ns).float()
+        torch.cuda.synchronize()
+        err = ((out - ref).norm() / ref.norm()).item()
+        print(f"{bits} splits={ns}: rel err {err:.1e}")
+        assert err < 3e-3
