@@ -10,6 +10,7 @@ from .compat import cache_arg_name, cache_kwargs
 from .config import QuantConfig
 from .memory import MemoryReport
 from .ops import get_backend, set_backend
+from .prefill import prefill
 from .static import StaticQuantizedPagedCache
 
 hook.install()
@@ -26,5 +27,6 @@ __all__ = [
     "cache_kwargs",
     "set_backend",
     "get_backend",
+    "prefill",
 ]
 __version__ = "0.1.0"

@@ -197,3 +197,67 @@ def test_compiled_chunked_prompt_keeps_dynamo_out_of_the_bookkeeping():
     # before the fix: {2: (28, 15), 6: (44, 31)}; after: (10-11, 0) for both (one graph more or less with the
     # order tests run in: dynamo's automatic dynamic shapes), so the growth is bounded, not required to be zero
     assert seen[2][1] == seen[6][1] == 0 and seen[6][0] <= seen[2][0] + 2, seen
+
+
+def _prefilled_generate(model, ids, mask, cache, n, chunk, **kw):
+    from kivi_cache import prefill
+
+    prefill(model, cache, ids, attention_mask=mask, chunk_size=chunk)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+
+
+def _left_padded(seed):
+    ids = torch.randint(1, 100, (3, 70), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    mask[2, :33] = 0  # whole chunks of padding
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def test_prefill_then_generate_matches_the_dynamic_cache_and_compiles_no_prompt_chunk():
+    """kivi_cache.prefill stores all but the last prompt token eagerly (generate would compile every chunk's
+    forward for a compileable cache); generate then runs the last token and the decode steps: same tokens as
+    the dynamic cache prefilled the same way, eagerly and with generate's compile, and no compiled graph
+    holds the prompt's chunks (the graphs compiled do not grow with the number of chunks)."""
+    from transformers import CompileConfig
+
+    model = tiny_qwen2()
+    ids, mask = _left_padded(5)
+    ref = _prefilled_generate(model, ids, mask, QuantizedPagedCache(**CFG), n=20, chunk=16)
+    eager = _prefilled_generate(model, ids, mask, StaticQuantizedPagedCache(model, 128, **CFG), n=20, chunk=16)
+    assert torch.equal(eager, ref)
+    graphs = {}
+    for chunk in (8, 32):
+        backend = _RecordingBackend()
+        config = CompileConfig(backend=backend, mode=None)
+        config._compile_all_devices = True
+        torch._dynamo.reset()
+        cache = StaticQuantizedPagedCache(model, 128, **CFG)
+        out = _prefilled_generate(model, ids, mask, cache, n=20, chunk=chunk, compile_config=config)
+        graphs[chunk] = len(backend.graph_files)
+        assert torch.equal(out, _prefilled_generate(model, ids, mask, QuantizedPagedCache(**CFG), n=20, chunk=chunk))
+        assert backend.graphs_from("kivi_cache/static.py") >= 1 and cache.layers[0].decoding
+    # 9 chunks or 3: the prompt never reaches the compiler; only the decode step is compiled (1 graph here;
+    # generate's own prefill_chunk_size=16 compiles 20 for this prompt)
+    assert graphs[8] == graphs[32] <= 2, graphs
+
+
+def test_prefill_errors():
+    from kivi_cache import prefill
+
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 10))
+    cache = QuantizedPagedCache(**CFG)
+    for bad, match in ((dict(input_ids=ids[:, :1]), "at least 2 tokens"), (dict(chunk_size=0), "chunk_size"),
+                       (dict(attention_mask=torch.ones(2, 9)), "attention_mask")):
+        args = {**dict(input_ids=ids, attention_mask=None, chunk_size=None), **bad}
+        with pytest.raises(ValueError, match=match):
+            prefill(model, cache, **args)
+    assert cache.get_seq_length() == 0  # nothing stored by a refused call
+    prefill(model, cache, ids)
+    assert cache.get_seq_length() == 9
+    with pytest.raises(ValueError, match="empty cache"):
+        prefill(model, cache, ids)
