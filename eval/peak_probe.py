@@ -10,6 +10,8 @@ raises later peaks. Usage (GPU):
     python eval/peak_probe.py --order fp16,kivi-int4,fp16-static,kivi-int4-static,fp16,kivi-int4
     python eval/peak_probe.py --no-expandable ...   (without PYTORCH_CUDA_ALLOC_CONF=expandable_segments)
 CPU smoke run: ``python eval/peak_probe.py --device cpu --model tiny --prompt 300 --order fp16,kivi-int4``.
+A max-batch configuration: ``--order fp16:441,kivi-int4:967 --prompt 1024 --new 64 --chunked --snapshot`` (an entry
+``CACHE:BATCH``; ``--chunked``: the max-batch rows' chunked prefill) says what besides the KV is live at each peak.
 """
 
 import argparse
@@ -25,7 +27,10 @@ import torch.nn.functional as F  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--order", default="fp16,kivi-int4,fp16-static,kivi-int4-static,fp16,kivi-int4",
-                help=f"comma list of {list(bg.ALL_CACHES)}")
+                help=f"comma list of CACHE[:BATCH] (batch 1 by default), CACHE one of {list(bg.ALL_CACHES)}")
+ap.add_argument("--chunked", action="store_true", help="chunked prefill as the max-batch rows (--prefill-tokens)")
+ap.add_argument("--prefill-tokens", type=int, default=None, help="with --chunked: tokens per prefill forward "
+                "(bench_generate's default if not given)")
 ap.add_argument("--model", default="llama3-8b", choices=sorted(bg.MODELS))
 ap.add_argument("--prompt", type=int, default=32768)
 ap.add_argument("--new", type=int, default=4)
@@ -36,10 +41,14 @@ ap.add_argument("--snapshot", action="store_true",
 ap.add_argument("--top", type=int, default=12, help="with --snapshot: source lines listed per run")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
-order = args.order.split(",")
-for name in order:
+order = []
+for entry in args.order.split(","):
+    name, _, batch = entry.partition(":")
     if name not in bg.ALL_CACHES:
         raise SystemExit(f"--order: unknown cache {name!r}; allowed: {', '.join(bg.ALL_CACHES)}")
+    if batch and (not batch.isdigit() or int(batch) < 1):
+        raise SystemExit(f"--order: {entry!r}: BATCH must be a positive integer")
+    order.append((name, int(batch or 1)))
 
 calls = []
 _sdpa = F.scaled_dot_product_attention
@@ -98,19 +107,21 @@ F.scaled_dot_product_attention = spy
 
 dev = bg.Dev(torch.device(args.device))
 model = bg.build_model(args.model, dev.device, torch.float16 if dev.cuda else torch.float32)
-bench_args = bg.parse_args(["--no-expandable"] if args.no_expandable else [])
-quanto = bg.setup_quanto(False) if any(n.startswith("quanto") for n in order) else {"available": False}
+bench_args = bg.parse_args((["--no-expandable"] if args.no_expandable else [])
+                           + ([] if args.prefill_tokens is None else ["--prefill-tokens", str(args.prefill_tokens)]))
+quanto = bg.setup_quanto(False) if any(n.startswith("quanto") for n, _ in order) else {"available": False}
 ctx = dict(model=model, dev=dev, args=bench_args, shapes=bg.model_shapes(model), quanto=quanto)
 
 rows = []
-for name in order:
+for name, batch in order:
     calls.clear()
     dev.free()
     before = dev.allocated()
     if args.snapshot and dev.cuda:
         torch.cuda.memory._record_memory_history(max_entries=500000, stacks="python")
-    res = bg.run_generate(ctx, name, 1, args.prompt, args.new)
-    row = dict(cache=name, prefill_sdpa_calls=len(calls), first_prefill_call=calls[0] if calls else None)
+    res = bg.run_generate(ctx, name, batch, args.prompt, args.new, chunked=args.chunked)
+    row = dict(cache=name, batch=batch, prompt=args.prompt, new=args.new, prefill_chunk=res.get("prefill_chunk"),
+               prefill_sdpa_calls=len(calls), first_prefill_call=calls[0] if calls else None)
     if dev.cuda:
         row.update(before_GiB=before / 2**30, peak_GiB=res["peak"] / 2**30,
                    reserved_GiB=torch.cuda.memory_reserved() / 2**30)

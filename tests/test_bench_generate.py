@@ -385,3 +385,18 @@ def test_step_timer_reads_allocator_counters_once_at_the_first_token():
     assert len(timer.times) == 4
     assert timer.dev.n == 1
     assert timer.first_counters["num_alloc_retries"] == 1
+
+
+def test_peak_probe_runs_batches_with_a_chunked_prefill(tmp_path):
+    """eval/peak_probe.py at a max-batch configuration (CACHE:BATCH entries, the max-batch rows' chunked
+    prefill), CPU smoke run on the tiny model."""
+    out = tmp_path / "probe.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, str(ROOT / "eval" / "peak_probe.py"), "--device", "cpu", "--model", "tiny",
+                    "--prompt", "96", "--new", "3", "--order", "fp16:2,kivi-int4:3", "--chunked",
+                    "--prefill-tokens", "64", "--out", str(out)], check=True, env=env, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["cache"], r["batch"]) for r in rows] == [("fp16", 2), ("kivi-int4", 3)]
+    # 64 tokens per forward: chunks of 32 tokens at batch 2, 16 at batch 3; fp16's every chunk goes through SDPA
+    # (3 chunks x 2 layers), kivi's first chunk only (later chunks attend over the stored prompt: the prefix path)
+    assert [r["prefill_chunk"] for r in rows] == [32, 16] and [r["prefill_sdpa_calls"] for r in rows] == [6, 2], rows
