@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_kernels import decode_args, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
+from bench_kernels import decode_args, graph_bench, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
 
 from kivi_cache import kernels as cur  # noqa: E402
 
@@ -39,11 +39,7 @@ args = ap.parse_args()
 
 def bench(fn):
     if args.graph:
-        # do_bench_cudagraph's first call runs on a new stream that does not wait for the default stream: without
-        # this sync it read a pool that make_pool was still writing (session 10: an illegal address from the stale
-        # block-table memory, gone under CUDA_LAUNCH_BLOCKING=1)
-        torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return graph_bench(fn, rep=100)
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 

@@ -56,12 +56,19 @@ def log(*a):
 
 # ----------------------------------------------------------------------------- timing
 
+def graph_bench(fn, rep: int) -> float:
+    """Median ms of ``fn`` captured in a CUDA graph and replayed (GPU time, no launch overhead). Syncs first:
+    ``do_bench_cudagraph`` makes its first call on a new stream that does not wait for the default stream, so it
+    could read inputs still being written (session 10: an illegal address in ab_decode, gone with a sync)."""
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
 def timer(device, graph=False):
     if device.type == "cuda" and graph:
         def t(fn):  # GPU time only: the calls captured in a CUDA graph and replayed (no launch overhead)
             fn()
-            torch.cuda.synchronize()  # do_bench_cudagraph warms up on a new stream that does not wait for ours
-            return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+            return graph_bench(fn, rep=60)
     elif device.type == "cuda":
         def t(fn):
             return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")

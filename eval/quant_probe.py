@@ -14,6 +14,9 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_kernels import graph_bench  # noqa: E402
 
 from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as R  # noqa: E402
@@ -49,9 +52,7 @@ for shape in args.shapes.split(","):
         got = pool()
         KK.quantize_and_write(k, v, pages, slots, *got, kb, vb, g)
         same = all(torch.equal(a, r) for a, r in zip(got, ref, strict=True))
-        torch.cuda.synchronize()  # do_bench_cudagraph warms up on a new stream that does not wait for ours
-        ms = triton.testing.do_bench_cudagraph(
-            lambda a=(k, v, pages, slots, *got): KK.quantize_and_write(*a, kb, vb, g), rep=100, return_mode="median")
+        ms = graph_bench(lambda a=(k, v, pages, slots, *got): KK.quantize_and_write(*a, kb, vb, g), rep=100)
         row[name] = {"ms": ms, "matches_reference": same}
         print(f"b{b} kv{h} {name}: {ms * 1000:.2f} us, matches reference: {same}", flush=True)
     rows.append(row)

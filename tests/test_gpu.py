@@ -166,6 +166,12 @@ def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
     1, odd, long), every entry past each sequence's pages poisoned with a page id far outside the pool, default
     and forced split counts; the output matches the reference computed on the same table with the poison
     replaced by a valid id (the reference gathers every entry)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
+    from bench_kernels import make_pool
+
     from kivi_cache import kernels as KK
     from kivi_cache import reference as REF
 
@@ -174,26 +180,17 @@ def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
     p, d, hkv, hq = 64, 128, 4, 16
     lengths = torch.tensor([9000, 0, 1, 3001, 64, 12345], dtype=torch.int32, device="cuda")
     need = [-(-int(n) // p) for n in lengths.tolist()]
-    width = max(need) + 5
-    np_ = sum(need) + 2
-    perm = torch.randperm(np_, device="cuda", generator=gen).to(torch.int32)
-    bt = torch.full((len(need), width), 0x3FFFFFFF, dtype=torch.int32, device="cuda")
-    i = 0
-    for row, n in enumerate(need):
-        bt[row, :n] = perm[i:i + n]
-        i += n
-    kc = torch.randint(0, 256, (np_, hkv, p, d * kb // 8), dtype=torch.uint8, device="cuda", generator=gen)
-    vc = torch.randint(0, 256, (np_, hkv, d, p * vb // 8), dtype=torch.uint8, device="cuda", generator=gen)
-    ks = torch.rand(np_, hkv, p // g, d, device="cuda", generator=gen).half() * (2.0 / (1 << kb))
-    kz = torch.randn(np_, hkv, p // g, d, device="cuda", generator=gen).half() - 1.0
-    vs = torch.rand(np_, hkv, d // g, p, device="cuda", generator=gen).half() * (2.0 / (1 << vb))
-    vz = torch.randn(np_, hkv, d // g, p, device="cuda", generator=gen).half() - 1.0
     b = len(need)
+    pool = make_pool(b, hkv, int(lengths.max()), d, p, g, kb, vb, torch.device("cuda"), gen)  # distinct random pages
+    bt = torch.full((b, max(need) + 5), 0x3FFFFFFF, dtype=torch.int32, device="cuda")
+    for row, n in enumerate(need):
+        bt[row, :n] = pool["block_table"][row, :n]
     q = torch.randn(b, hq, d, device="cuda", generator=gen).half()
     rk = torch.randn(b, hkv, 160, d, device="cuda", generator=gen).half()
     rv = torch.randn(b, hkv, 160, d, device="cuda", generator=gen).half()
     rl = torch.tensor([100, 5, 160, 0, 1, 77], dtype=torch.int32, device="cuda")
-    tail = (kc, ks, kz, vc, vs, vz, rk, rv, rl, kb, vb, g, 0.088)
+    tail = (pool["k_codes"], pool["k_scale"], pool["k_zero"], pool["v_codes"], pool["v_scale"], pool["v_zero"],
+            rk, rv, rl, kb, vb, g, 0.088)
     ref = REF.paged_decode_attention(q, torch.where(bt == 0x3FFFFFFF, 0, bt), lengths, *tail).float()
     for ns in (None, 1, 7, 64):
         out = KK.paged_decode_attention(q, bt, lengths, *tail, num_splits=ns).float()
