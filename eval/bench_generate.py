@@ -457,10 +457,11 @@ def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_c
     dev.sync()
     held = dev.allocated()  # weights plus whatever the process still holds (e.g. compiled runs' graph pools)
     t0 = time.perf_counter()
+    mask = torch.ones_like(ids)
     with torch.no_grad():
         if eager_prefill:
-            kivi_cache.prefill(model, cache, ids, attention_mask=torch.ones_like(ids), chunk_size=chunk)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
+            kivi_cache.prefill(model, cache, ids, attention_mask=mask, chunk_size=chunk)
+        out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache),
                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                              stopping_criteria=StoppingCriteriaList([timer]), **extra)
     dev.sync()
@@ -482,7 +483,7 @@ def run_generate(ctx, cache_name: str, batch: int, prompt: int, new: int, keep_c
         raise RuntimeError(f"generate produced {res['generated']} tokens instead of {new}")
     if keep_cache:
         res["cache_stats"] = cache_stats(cache_name, cache, batch, ctx["shapes"])
-    del cache, ids
+    del cache, ids, mask
     return res
 
 
