@@ -39,6 +39,8 @@ ap.add_argument("--no-expandable", action="store_true")
 ap.add_argument("--snapshot", action="store_true",
                 help="record the CUDA allocator's history per run and print what is live at its peak, by source line")
 ap.add_argument("--top", type=int, default=12, help="with --snapshot: source lines listed per run")
+ap.add_argument("--max-entries", type=int, default=4_000_000,
+                help="with --snapshot: allocator events kept (a longer run keeps only its tail: `truncated`)")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 order = []
@@ -65,9 +67,10 @@ def where(frames) -> str:
                         or "no frames")
 
 
-def live_at_peak(snapshot: dict, top: int) -> dict:
+def live_at_peak(snapshot: dict, top: int, max_entries: int) -> dict:
     """Replay the allocator trace (allocations made while recording): the peak of bytes allocated by them, and
-    what was live at that moment grouped by source line (largest first)."""
+    what was live at that moment grouped by source line (largest first). A trace of ``max_entries`` events is the
+    tail of a longer history (``truncated``): blocks allocated before it (a preallocated pool, say) are not in it."""
     trace = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
     cur = peak = 0
     peak_i = -1
@@ -92,7 +95,7 @@ def live_at_peak(snapshot: dict, top: int) -> dict:
         g[0] += ev["size"]
         g[1] += 1
     rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
-    return dict(events=len(trace), peak_GiB=peak / 2**30,
+    return dict(events=len(trace), truncated=len(trace) >= max_entries, peak_GiB=peak / 2**30,
                 live_at_peak=[dict(where=k, GiB=v[0] / 2**30, blocks=v[1]) for k, v in rows])
 
 
@@ -118,10 +121,11 @@ for name, batch in order:
     dev.free()
     before = dev.allocated()
     if args.snapshot and dev.cuda:
-        torch.cuda.memory._record_memory_history(max_entries=500000, stacks="python")
-    res = bg.run_generate(ctx, name, batch, args.prompt, args.new, chunked=args.chunked)
+        torch.cuda.memory._record_memory_history(max_entries=args.max_entries, stacks="python")
+    res = bg.run_generate(ctx, name, batch, args.prompt, args.new, chunked=args.chunked, keep_cache=True)
     row = dict(cache=name, batch=batch, prompt=args.prompt, new=args.new, prefill_chunk=res.get("prefill_chunk"),
-               prefill_sdpa_calls=len(calls), first_prefill_call=calls[0] if calls else None)
+               prefill_sdpa_calls=len(calls), first_prefill_call=calls[0] if calls else None,
+               kv_allocated_GiB=res["cache_stats"]["kv_bytes_allocated"] / 2**30)
     if dev.cuda:
         row.update(before_GiB=before / 2**30, peak_GiB=res["peak"] / 2**30,
                    reserved_GiB=torch.cuda.memory_reserved() / 2**30)
@@ -129,7 +133,7 @@ for name, batch in order:
         if args.snapshot:
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-            row["snapshot"] = live_at_peak(snap, args.top)
+            row["snapshot"] = live_at_peak(snap, args.top, args.max_entries)
             del snap
     rows.append(row)
     print(json.dumps(row), flush=True)

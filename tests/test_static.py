@@ -6,7 +6,7 @@ import torch
 from models import tiny_llama, tiny_qwen2
 from transformers import DynamicCache
 
-from kivi_cache import QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs
+from kivi_cache import QuantConfig, QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs
 
 CFG = dict(key_bits=4, value_bits=2, group_size=16, residual_length=16, page_size=32, sink_length=2)
 
@@ -28,7 +28,8 @@ def test_static_generates_the_dynamic_caches_tokens(make):
     report = cache.memory_report()
     assert report.quantized_tokens > 0 and report.sink_tokens == 2 * 2 * model.config.num_hidden_layers
     assert cache.is_compileable and not QuantizedPagedCache().is_compileable
-    assert cache.layers[0].pool.capacity == 2 * (128 // 32) + 1  # allocated once: every sequence's pages + scratch
+    # allocated once: every sequence's pages + scratch
+    assert cache.layers[0].pool.capacity == 2 * QuantConfig(**CFG).pages_per_sequence(128) + 1
 
 
 def _decode_logits(model, ids, forward, steps):
@@ -42,6 +43,26 @@ def _decode_logits(model, ids, forward, steps):
             logits.append(out.logits[:, -1].float())
             tok = out.logits[:, -1:].argmax(-1)
     return torch.stack(logits, 1), cache
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+def test_static_pool_holds_exactly_the_pages_of_max_cache_len_and_refuses_more_tokens(make):
+    """Every sequence gets QuantConfig.pages_per_sequence(max_cache_len) pages (its whole key groups beyond the sinks
+    and the window; not ceil(max_cache_len / page_size)), generating up to max_cache_len gives the dynamic cache's
+    tokens, and one token more fails instead of overwriting the last page."""
+    model = make()
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(5))
+    n = 30
+    max_len = 40 + n  # 69 tokens cached: 48 quantized = 2 pages of 32 (ceil(70 / 32) = 3)
+    per_seq = QuantConfig(**CFG).pages_per_sequence(max_len)
+    assert per_seq == 2
+    cache = StaticQuantizedPagedCache(model, max_len, **CFG)
+    assert torch.equal(_generate(model, ids, cache, n=n), _generate(model, ids, QuantizedPagedCache(**CFG), n=n))
+    for layer in cache.layers:
+        assert layer.block_table.shape == (2, per_seq) and layer.pool.capacity == 2 * per_seq + 1  # + scratch
+        assert layer.q_len.tolist() == [48, 48]  # the last page filled: the sizing is tight
+    with pytest.raises(RuntimeError, match="max_cache_len"):
+        _generate(model, ids, StaticQuantizedPagedCache(model, max_len, **CFG), n=n + 2)
 
 
 def test_decode_step_has_no_graph_breaks_and_compiles_to_the_same_logits():
@@ -117,8 +138,9 @@ def test_static_with_a_chunked_prompt_matches_dynamic(chunk):
     out = _generate(model, ids, cache, n=20, prefill_chunk_size=chunk)
     assert torch.equal(out, ref)
     layer = cache.layers[0]
-    assert layer.static and layer.decoding and layer.pool.capacity == 2 * (128 // 32) + 1
-    assert layer.pool.pages_in_use == 2 * (128 // 32) + 1  # every sequence's fixed pages + one scratch page
+    assert layer.static and layer.decoding and layer.pool.capacity == 2 * QuantConfig(**CFG).pages_per_sequence(128) + 1
+    # every sequence's fixed pages + one scratch page
+    assert layer.pool.pages_in_use == 2 * QuantConfig(**CFG).pages_per_sequence(128) + 1
 
 
 def test_static_with_a_chunked_left_padded_prompt_matches_dynamic():
