@@ -1,0 +1,186 @@
+"""Where the host time of an eager batch-1 decode step goes: fp16 DynamicCache against kivi-int4.
+
+Eager batch-1 decoding of an 8B model is host-bound (the GPU works ~5 ms of a 30-50 ms step), so a cache's
+Python and launch costs decide its step time. This probe, on the GPU, with bench_generate's random-weight model:
+
+1. alternating rounds of plain forward decode steps (no ``generate``: its own per-step work is the same for every
+   cache) per cache: the median step time with a sync after each step, and the host time (step start until the
+   forward returns, before the sync), and the same with the sync skipped (so the host runs ahead as in generate);
+2. one cProfile of each cache's steps: the functions with the most own time and the total own time by package;
+3. one op alone: the host time of a call of ``ops.paged_decode_attention`` (no sync) against torch SDPA over the
+   same fp16 history.
+
+    python eval/host_decode_probe.py [--model llama3-8b] [--prompt 1024] [--steps 48] [--rounds 3] --out F.json
+CPU smoke run: ``--device cpu --model tiny`` (TRITON_INTERPRET=1: the kernel calls are the interpreter's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from transformers import DynamicCache  # noqa: E402
+
+from eval import bench_generate as bg  # noqa: E402
+from kivi_cache import Int4PagedCache, cache_kwargs, ops  # noqa: E402
+
+CACHES = {"fp16": DynamicCache, "kivi-int4": Int4PagedCache}
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None):
+    """Prefill ``ids``, then ``steps`` one-token forwards. Returns (step seconds, host seconds) lists."""
+    with torch.no_grad():
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        sync(dev)
+        pos = ids.shape[1]
+        step_s, host_s = [], []
+        if prof is not None:
+            prof.enable()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = model(tok, **cache_kwargs(model, cache), use_cache=True,
+                        cache_position=torch.tensor([pos], device=dev))
+            tok = out.logits[:, -1:].argmax(-1)
+            t1 = time.perf_counter()
+            if wait:
+                sync(dev)
+            step_s.append(time.perf_counter() - t0)
+            host_s.append(t1 - t0)
+            pos += 1
+        if prof is not None:
+            prof.disable()
+        sync(dev)
+    return step_s, host_s
+
+
+def package(filename: str) -> str:
+    for key in ("kivi_cache", "kernels", "triton", "transformers", "torch"):
+        if f"/{key}/" in filename:
+            return key
+    return "builtin" if filename.startswith("~") or filename.startswith("<") else "other"
+
+
+def profile_summary(prof: cProfile.Profile, steps: int, top: int) -> dict:
+    st = pstats.Stats(prof)
+    rows, by_pkg = [], {}
+    for (fname, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():
+        by_pkg[package(fname)] = by_pkg.get(package(fname), 0.0) + tt
+        rows.append(dict(where=f"{fname.split('site-packages/')[-1]}:{line} {func}", calls_per_step=nc / steps,
+                         own_us_per_step=tt / steps * 1e6, cum_us_per_step=ct / steps * 1e6))
+    rows.sort(key=lambda r: -r["own_us_per_step"])
+    pkg = {k: v / steps * 1e6 for k, v in sorted(by_pkg.items(), key=lambda kv: -kv[1])}
+    return dict(own_us_per_step_by_package=pkg,
+                top_own=rows[:top], top_cumulative=sorted(rows, key=lambda r: -r["cum_us_per_step"])[:top])
+
+
+def op_host_time(model, dev, prompt: int, calls: int) -> dict:
+    """Host microseconds per call (no sync between calls) of our decode op on one layer's stored prompt, and of
+    torch SDPA on the same shapes in fp16 (the DynamicCache path's attention)."""
+    c = model.config
+    hq, hk = c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // hq
+    dtype = next(model.parameters()).dtype
+    cache = Int4PagedCache()
+    k = torch.randn(1, hk, prompt, d, device=dev, dtype=dtype)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    bt, ql, rl = layer._device_state()
+    q = torch.randn(1, hq, d, device=dev, dtype=dtype)
+    cfg = layer.cfg
+    kw = dict(res_k=layer.res_k, res_v=layer.res_v, res_lengths=rl, sm_scale=d ** -0.5, key_bits=cfg.key_bits,
+              value_bits=cfg.value_bits, group_size=cfg.group_size)
+
+    def ours():
+        return ops.paged_decode_attention(q, bt, ql, *layer.pool.args(), **kw)
+
+    kv = torch.randn(1, hk, prompt, d, device=dev, dtype=dtype)
+    q4 = q[:, :, None]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q4, kv, kv, enable_gqa=True)
+
+    out = {}
+    for name, fn in (("kivi_decode_op", ours), ("torch_sdpa_gqa", sdpa)):
+        for _ in range(5):
+            fn()
+        sync(dev)
+        ts = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        sync(dev)
+        out[name] = dict(median_us=statistics.median(ts) * 1e6, min_us=min(ts) * 1e6)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(bg.MODELS))
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    model = bg.build_model(args.model, dev, torch.float16 if dev.type == "cuda" else torch.float32)
+    ids = bg.prompt_ids(1, args.prompt, model.config.vocab_size, dev)
+    res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
+               gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rounds=[])
+    for name, make in CACHES.items():  # warm-up: kernels compiled, allocator primed
+        decode(model, make(), ids, 4, dev, wait=True)
+    for r in range(args.rounds):
+        for name, make in (CACHES.items() if r % 2 == 0 else reversed(CACHES.items())):
+            for wait in (True, False):
+                step_s, host_s = decode(model, make(), ids, args.steps, dev, wait=wait)
+                row = dict(round=r, cache=name, sync_each_step=wait, step_ms_median=statistics.median(step_s) * 1e3,
+                           host_ms_median=statistics.median(host_s) * 1e3, step_ms_min=min(step_s) * 1e3,
+                           total_ms_per_step=sum(step_s) / len(step_s) * 1e3)
+                res["rounds"].append(row)
+                print(json.dumps(row), flush=True)
+    res["summary"] = {}
+    for name in CACHES:
+        for wait in (True, False):
+            rows = [x for x in res["rounds"] if x["cache"] == name and x["sync_each_step"] == wait]
+            res["summary"][f"{name}{'' if wait else ' (no sync)'}"] = dict(
+                step_ms=statistics.median(x["step_ms_median"] for x in rows),
+                host_ms=statistics.median(x["host_ms_median"] for x in rows))
+    print(json.dumps(res["summary"], indent=1), flush=True)
+    res["profile"] = {}
+    for name, make in CACHES.items():
+        prof = cProfile.Profile()
+        decode(model, make(), ids, args.steps, dev, wait=False, prof=prof)
+        res["profile"][name] = summ = profile_summary(prof, args.steps, args.top)
+        print(f"== {name}: own us per step by package", json.dumps(summ["own_us_per_step_by_package"]), flush=True)
+        for row in summ["top_own"][:15]:
+            print(f"   {row['own_us_per_step']:8.1f} us  {row['calls_per_step']:6.1f} calls  {row['where']}")
+    res["op_host_us"] = op_host_time(model, dev, args.prompt, 200)
+    print("op host us per call", json.dumps(res["op_host_us"]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
