@@ -148,7 +148,7 @@ def main():
     ids = bg.prompt_ids(1, args.prompt, model.config.vocab_size, dev)
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
                gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rounds=[])
-    for name, make in CACHES.items():  # warm-up: kernels compiled, allocator primed
+    for make in CACHES.values():  # warm-up: kernels compiled, allocator primed
         decode(model, make(), ids, 4, dev, wait=True)
     for r in range(args.rounds):
         for name, make in (CACHES.items() if r % 2 == 0 else reversed(CACHES.items())):
