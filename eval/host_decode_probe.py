@@ -91,13 +91,11 @@ def profile_summary(prof: cProfile.Profile, steps: int, top: int) -> dict:
                 top_own=rows[:top], top_cumulative=sorted(rows, key=lambda r: -r["cum_us_per_step"])[:top])
 
 
-def op_host_time(model, dev, prompt: int, calls: int) -> dict:
+def op_host_time(spec: dict, dtype, dev, prompt: int, calls: int) -> dict:
     """Host microseconds per call (no sync between calls) of our decode op on one layer's stored prompt, and of
-    torch SDPA on the same shapes in fp16 (the DynamicCache path's attention)."""
-    c = model.config
-    hq, hk = c.num_attention_heads, c.num_key_value_heads
-    d = getattr(c, "head_dim", None) or c.hidden_size // hq
-    dtype = next(model.parameters()).dtype
+    torch SDPA on the same shapes (the DynamicCache path's attention). ``spec``: a bench_generate model spec."""
+    hq, hk = spec["num_attention_heads"], spec["num_key_value_heads"]
+    d = spec.get("head_dim") or spec["hidden_size"] // hq
     cache = Int4PagedCache()
     k = torch.randn(1, hk, prompt, d, device=dev, dtype=dtype)
     cache.update(k, k, 0)
@@ -141,9 +139,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--op-only", action="store_true", help="only item 3 (no model; seconds)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    if args.op_only:
+        res = dict(args=vars(args), torch=torch.__version__, gpu=torch.cuda.get_device_name() if dev.type == "cuda"
+                   else "cpu", op_host_us=op_host_time(bg.MODELS[args.model], dtype, dev, args.prompt, 500))
+        print("op host us per call", json.dumps(res["op_host_us"]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     model = bg.build_model(args.model, dev, torch.float16 if dev.type == "cuda" else torch.float32)
     ids = bg.prompt_ids(1, args.prompt, model.config.vocab_size, dev)
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
@@ -175,7 +183,7 @@ def main():
         print(f"== {name}: own us per step by package", json.dumps(summ["own_us_per_step_by_package"]), flush=True)
         for row in summ["top_own"][:15]:
             print(f"   {row['own_us_per_step']:8.1f} us  {row['calls_per_step']:6.1f} calls  {row['where']}")
-    res["op_host_us"] = op_host_time(model, dev, args.prompt, 200)
+    res["op_host_us"] = op_host_time(bg.MODELS[args.model], dtype, dev, args.prompt, 200)
     print("op host us per call", json.dumps(res["op_host_us"]), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -64,3 +64,57 @@ def num_sms(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+# ----------------------------------------------------------------------------- cached launches
+# A @triton.jit launch spends tens of microseconds in Python (binding and specializing every argument, the
+# cache key) before the driver call; an eager decode step makes two per layer. ``Launcher`` keeps the compiled
+# kernel of a first launch under the caller's plan key (everything that fixes Triton's specialization except
+# the pointers' alignment, which is checked per call) and launches it directly afterwards, through the same
+# ``CompiledKernel.run`` call ``JITFunction.run`` ends with (Triton 3.6 to 3.9). Off with KIVI_FAST_LAUNCH=0,
+# under the interpreter, and while a launch hook (a profiler) is set.
+FAST_LAUNCH = os.environ.get("KIVI_FAST_LAUNCH", "1") != "0"
+
+
+class Launcher:
+    def __init__(self, fn):
+        self.fn = fn
+        self.kernels: dict = {}
+        self.fast_launches = 0  # for tests
+
+    def __call__(self, plan_key, grid: tuple, args: tuple, meta: dict):
+        fast = FAST_LAUNCH and plan_key is not None and not interpreting()
+        if fast:
+            key = (plan_key, tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
+            hit = self.kernels.get(key)
+            if hit is not None and _no_launch_hooks():
+                kernel, consts = hit
+                g = (*grid, 1, 1)
+                kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()),
+                           kernel.function, kernel.packed_metadata, None, None, None, *args, *consts)
+                self.fast_launches += 1
+                return kernel
+        kernel = self.fn[grid](*args, **meta)
+        if fast and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+            params = self.fn.params[len(args):]  # the constexprs (and defaulted parameters) after the runtime args
+            consts = tuple(meta[p.name] if p.name in meta else p.default for p in params)
+            self.kernels[key] = (kernel, consts)
+        return kernel
+
+
+def _no_launch_hooks() -> bool:
+    from triton import knobs  # noqa: PLC0415
+
+    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+
+
+def env_reader(names: tuple):
+    """A function returning the current values of the environment variables ``names`` as a tuple (a cache key),
+    ~1 us for a dozen: on POSIX through ``os.environ``'s own bytes mapping (``os.environ.get`` encodes and
+    decodes every name, ~2 us each); ``os.environ.get`` elsewhere."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(data, dict):
+        keys = tuple(os.fsencode(n) for n in names)
+        get = data.get
+        return lambda: tuple(map(get, keys))
+    return lambda: tuple(map(os.environ.get, names))

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting, num_sms
+from ._util import Launcher, block_tokens, check_bits, check_group, check_head_dim, env_reader, interpreting, num_sms
 from .dequant import dequantize_pages
 from .unpack import (
     fold_pairs_asm,
@@ -505,20 +505,23 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def decode_reduce(ws_m, ws_l, ws_o, out, hq: int, pdl: int = 0) -> None:
-    """Merge ``ws_*`` (``[B * Hq, NS + 1(, D)]`` fp32 partial max / sum / output) into ``out`` ``[B, Hq, D]``.
-    Grid ``(B * Hq, D / DB)``: batch 1 still gets ``Hq * D / 32`` programs (one per row was 32 serial
-    programs at batch 1, each looping over hundreds of splits)."""
-    rows, nsp1, d = ws_o.shape
-    # 32-channel programs while rows are few (batch 1: 16.8 -> 4.0 us at 257 splits); whole rows from 512
-    # rows on (1024 rows x 13 splits: 6.8 us split, 5.6 whole; eval/results/reduce_probe.json)
+def _reduce_launch(rows: int, nsp1: int, d: int, pdl: int):
+    """Grid and compile-time settings of the merge kernel. Grid ``(B * Hq, D / DB)``: batch 1 still gets
+    ``Hq * D / 32`` programs (one per row was 32 serial programs at batch 1, each looping over hundreds of
+    splits). 32-channel programs while rows are few (batch 1: 16.8 -> 4.0 us at 257 splits); whole rows from
+    512 rows on (1024 rows x 13 splits: 6.8 us split, 5.6 whole; eval/results/reduce_probe.json)."""
     db = min(d, 32) if rows < 512 else d
     bs = max(1, min(triton.next_power_of_2(nsp1), 4096 // db))
-    _decode_reduce_kernel[(rows, d // db)](
-        ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq,
-        D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4,
-        **({"PDL": 1, "launch_pdl": True} if pdl else {}),
-    )
+    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4,
+                **({"PDL": 1, "launch_pdl": True} if pdl else {}))
+    return (rows, d // db), meta
+
+
+def decode_reduce(ws_m, ws_l, ws_o, out, hq: int, pdl: int = 0) -> None:
+    """Merge ``ws_*`` (``[B * Hq, NS + 1(, D)]`` fp32 partial max / sum / output) into ``out`` ``[B, Hq, D]``."""
+    rows, nsp1, d = ws_o.shape
+    grid, meta = _reduce_launch(rows, nsp1, d, pdl)
+    _decode_reduce_kernel[grid](ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq, **meta)
 
 
 def _pdl(device) -> int:
@@ -639,6 +642,82 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
             raise ValueError("pool tensors must have a contiguous last dimension")
 
 
+# Environment settings a decode plan depends on (read once per call: a test may change them between calls).
+_PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
+             "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_PDL", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
+             "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN")
+_plan_env = env_reader(_PLAN_ENV)
+_PLANS: dict = {}  # plan key -> _DecodePlan; the 32 layers of a decode step share one (same shapes)
+_SPLIT = Launcher(_decode_split_kernel)
+_REDUCE = Launcher(_decode_reduce_kernel)
+
+
+class _DecodePlan:
+    """What a decode call derives from shapes, strides, dtypes and settings alone (FlashInfer's plan/run split):
+    checked once, then every call with the same key only allocates its workspace and launches."""
+
+    __slots__ = ("meta", "ns", "grid", "pdl", "reduce_grid", "reduce_meta", "rows", "nsp1", "rkey", "final", "ints")
+
+    def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
+                 value_bits, group_size, num_splits, force_half_dot, plain):
+        bsz, hq, d = q.shape
+        _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
+        np_, hkv, p, _ = k_codes.shape
+        if hq % hkv:
+            raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+        group = hq // hkv
+        sub = min(group_size, 32)
+        if d // sub > 8 or sub < 16 or d * key_bits // 8 < 16 or p * value_bits % 32:
+            raise ValueError(f"decode kernel needs value sub-tiles min(group_size, 32) >= 16 and <= 8 of them "
+                             f"per head, and pages of whole 32-bit words of value codes; got group_size={group_size}, "
+                             f"head_dim={d}, page_size={p}, bits={key_bits}/{value_bits}")
+        gp = max(int(os.environ.get("KIVI_DECODE_GP_MIN", 1)), triton.next_power_of_2(group))
+        interp = interpreting()
+        block_tokens(p, group_size, 256)  # page-size check
+        blk = _step_tokens(p, group_size, interp)
+        if k_codes.shape[-1] % 4 or v_codes.shape[-1] % 4:
+            raise ValueError("code rows must be a whole number of 32-bit words (head_dim * bits / 8 % 4 == 0)")
+        blk_r = 64 if interp else (32 if d <= 128 else 16)
+        dot_f32 = (interp and not force_half_dot) or q.dtype == torch.float32
+        kw = k_codes.view(torch.int32)
+        vw = v_codes.view(torch.int32)
+        if kw.stride(2) != kw.shape[3] or vw.stride(2) != vw.shape[3] or v_scale.stride(2) != v_scale.shape[3]:
+            raise ValueError("pool tensors must be contiguous within a page (rows back to back)")
+        if not dot_f32 and (v_scale.element_size() != 2 or any(
+                x % 2 for t in (v_scale, v_zero) for x in (*t.stride()[:3], t.storage_offset()))):
+            raise ValueError("fp16/bf16 decode reads value scales and zeros in pairs of tokens: they must be "
+                             "fp16/bf16 with even strides and offsets (as the page pool allocates them)")
+        meta = dict(GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
+                    KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
+                    KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
+                    VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
+                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
+        rkey = (q.device.index, *meta.items())
+        self.ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
+                                             _RESIDENT.get(rkey, RESIDENT_DEFAULT))
+        self.pdl = pdl = _pdl(q.device)
+        self.meta = dict(meta, **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}))
+        self.grid = (bsz * hkv, self.ns + 1)
+        self.rows, self.nsp1, self.rkey = bsz * hq, self.ns + 1, rkey
+        # the split kernel's integer arguments: fixed by the key (its strides, head counts, splits)
+        self.ints = (hkv, self.ns, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0), kw.stride(1),
+                     k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
+                     v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
+        self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, pdl)
+        self.final = interp or rkey in _RESIDENT  # else: planned again once the kernel's residency is known
+
+
+def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
+              out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain):
+    return (out.stride(), q.device, q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
+            block_table.dtype, lengths.dtype, res_lengths.dtype, k_codes.shape, k_codes.stride(), k_codes.dtype,
+            k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.stride(), k_zero.dtype, v_codes.shape,
+            v_codes.stride(), v_scale.shape, v_scale.stride(), v_scale.dtype, v_scale.storage_offset() % 2,
+            v_zero.stride(), v_zero.dtype, v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype,
+            res_v.stride(), res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
+            _plan_env())
+
+
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, num_splits: int | None = None, out=None,
@@ -649,26 +728,9 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     overrides the automatic context split (for tests/benchmarks); ``out``
     (``[B, Hq, D]``, q's dtype, last dim contiguous) is written in place if given.
     ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX unpack) are for tests and
-    benchmarks.
+    benchmarks. Everything that depends only on shapes and settings is planned once per key
+    (:class:`_DecodePlan`); a call then allocates one workspace and makes two launches.
     """
-    bsz, hq, d = q.shape
-    _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
-    np_, hkv, p, _ = k_codes.shape
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if out is None:
-        out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must be [B, Hq, D] in q's dtype with a contiguous last dimension")
-    if bsz == 0 or hq == 0:
-        return out
-    group = hq // hkv
-    sub = min(group_size, 32)
-    if d // sub > 8 or sub < 16 or d * key_bits // 8 < 16 or p * value_bits % 32:
-        raise ValueError(f"decode kernel needs value sub-tiles min(group_size, 32) >= 16 and <= 8 of them "
-                         f"per head, and pages of whole 32-bit words of value codes; got group_size={group_size}, "
-                         f"head_dim={d}, page_size={p}, bits={key_bits}/{value_bits}")
-    gp = max(int(os.environ.get("KIVI_DECODE_GP_MIN", 1)), triton.next_power_of_2(group))
     if q.stride(-1) != 1:
         q = q.contiguous()
     if res_k.stride(-1) != 1:
@@ -677,55 +739,42 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         res_v = res_v.contiguous()
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    lengths = lengths.contiguous()
-    res_lengths = res_lengths.contiguous()
-    interp = interpreting()
-    block_tokens(p, group_size, 256)  # page-size check
-    blk = _step_tokens(p, group_size, interp)
-    if k_codes.shape[-1] % 4 or v_codes.shape[-1] % 4:
-        raise ValueError("code rows must be a whole number of 32-bit words (head_dim * bits / 8 % 4 == 0)")
-    blk_r = 64 if interp else (32 if d <= 128 else 16)
-    dot_f32 = (interp and not _force_half_dot) or q.dtype == torch.float32
-    kw = k_codes.view(torch.int32)
-    vw = v_codes.view(torch.int32)
-    if kw.stride(2) != kw.shape[3] or vw.stride(2) != vw.shape[3] or v_scale.stride(2) != v_scale.shape[3]:
-        raise ValueError("pool tensors must be contiguous within a page (rows back to back)")
-    if not dot_f32 and (v_scale.element_size() != 2 or any(
-            x % 2 for t in (v_scale, v_zero) for x in (*t.stride()[:3], t.storage_offset()))):
-        raise ValueError("fp16/bf16 decode reads value scales and zeros in pairs of tokens: they must be fp16/bf16 "
-                         "with even strides and offsets (as the page pool allocates them)")
-    vasm = not _plain and _use_asm(q.dtype, value_bits, dot_f32)
-    meta = dict(GROUP=group, GP=gp, D=d, P=p, G=group_size, BLOCK=blk, BLOCK_R=blk_r,
-                KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
-                KASM=not _plain and _use_asm(q.dtype, key_bits, dot_f32),
-                VASM=vasm, BF16=q.dtype == torch.bfloat16,
-
-                num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
-    rkey = (q.device.index, *meta.items())
-    ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
-                                    _RESIDENT.get(rkey, RESIDENT_DEFAULT))
-    pdl = _pdl(q.device)
-    ws_m = torch.empty(bsz * hq, ns + 1, dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_o = torch.empty(bsz * hq, ns + 1, d, dtype=torch.float32, device=q.device)
-    kernel = _decode_split_kernel[(bsz * hkv, ns + 1)](
-        q, block_table, lengths,
-        kw, k_scale, k_zero, vw, v_scale, v_zero,
-        res_k, res_v, res_lengths,
-        ws_m, ws_l, ws_o,
-        float(sm_scale) * LOG2E, hkv, ns,
-        q.stride(0), q.stride(1), block_table.stride(0),
-        kw.stride(0), kw.stride(1),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        vw.stride(0), vw.stride(1),
-        v_scale.stride(0), v_scale.stride(1),
-        res_k.stride(0), res_k.stride(1), res_k.stride(2),
-        res_v.stride(0), res_v.stride(1), res_v.stride(2),
-        **meta, **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}),
-    )
-    if rkey not in _RESIDENT and not interp:
-        _RESIDENT[rkey] = _resident_of(kernel, q.device) or RESIDENT_DEFAULT
-    decode_reduce(ws_m, ws_l, ws_o, out, hq, pdl)
+    if lengths.stride(-1) != 1:
+        lengths = lengths.contiguous()
+    if res_lengths.stride(-1) != 1:
+        res_lengths = res_lengths.contiguous()
+    bsz, hq, d = q.shape
+    if out is None:
+        out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must be [B, Hq, D] in q's dtype with a contiguous last dimension")
+    key = _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
+                    res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
+                           value_bits, group_size, num_splits, _force_half_dot, _plain)
+        if plan.final:
+            if len(_PLANS) > 4096:  # shapes seen by a long-lived process: keep the cache bounded
+                _PLANS.clear()
+            _PLANS[key] = plan
+    if bsz == 0 or hq == 0:
+        return out
+    rows, nsp1 = plan.rows, plan.nsp1
+    # one fp32 workspace: partial outputs first (16-byte aligned), then maxima and sums, each padded to 4 floats
+    pad = -(-rows * nsp1 // 4) * 4
+    ws = torch.empty(rows * nsp1 * d + 2 * pad, dtype=torch.float32, device=q.device)
+    ws_o = ws[:rows * nsp1 * d].view(rows, nsp1, d)
+    ws_m = ws[rows * nsp1 * d:rows * nsp1 * d + rows * nsp1].view(rows, nsp1)
+    ws_l = ws[rows * nsp1 * d + pad:rows * nsp1 * d + pad + rows * nsp1].view(rows, nsp1)
+    fast_key = key if plan.final else None
+    kernel = _SPLIT(fast_key, plan.grid, (
+        q, block_table, lengths, k_codes.view(torch.int32), k_scale, k_zero, v_codes.view(torch.int32), v_scale,
+        v_zero, res_k, res_v, res_lengths, ws_m, ws_l, ws_o, float(sm_scale) * LOG2E, *plan.ints), plan.meta)
+    if not plan.final:
+        _RESIDENT.setdefault(plan.rkey, _resident_of(kernel, q.device) or RESIDENT_DEFAULT)
+    _REDUCE(fast_key, plan.reduce_grid, (ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq),
+            plan.reduce_meta)
     return out
 
 

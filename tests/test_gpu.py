@@ -198,3 +198,52 @@ def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
         err = ((out - ref).norm() / ref.norm()).item()
         print(f"{bits} splits={ns}: rel err {err:.1e}")
         assert err < 3e-3
+
+
+def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
+    """The decode op's plan cache and its direct launches of the compiled kernels (kernels._util.Launcher) give
+    bit for bit what Triton's own launch path gives, over calls that change the data, the lengths, the block
+    table's width (a new plan), the dtype and an environment setting; and the direct path is taken."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
+    from bench_kernels import make_pool
+
+    from kivi_cache.kernels import _util as U
+    from kivi_cache.kernels import attention as A
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    p, d, hkv, hq, b = 64, 128, 8, 32, 3
+    pool = make_pool(b, hkv, 4096, d, p, 32, 4, 4, torch.device("cuda"), gen)
+
+    def call(width, lengths, dtype, seed):
+        g2 = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(b, hq, d, device="cuda", generator=g2).to(dtype)
+        rk = torch.randn(b, hkv, 160, d, device="cuda", generator=g2).to(dtype)
+        rv = torch.randn(b, hkv, 160, d, device="cuda", generator=g2).to(dtype)
+        rl = torch.tensor([100, 0, 31], dtype=torch.int32, device="cuda")
+        ln = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        sc = {k: pool[k].to(dtype) for k in ("k_scale", "k_zero", "v_scale", "v_zero")}
+        return A.paged_decode_attention(q, pool["block_table"][:, :width].contiguous(), ln, pool["k_codes"],
+                                        sc["k_scale"], sc["k_zero"], pool["v_codes"], sc["v_scale"], sc["v_zero"],
+                                        rk, rv, rl, 4, 4, 32, 0.088)
+
+    calls = [(64, [4096, 64, 1000], torch.float16, 1), (64, [4000, 2048, 1], torch.float16, 2),
+             (64, [4096, 64, 1000], torch.float16, 3), (40, [2560, 64, 100], torch.float16, 4),
+             (40, [2560, 2560, 0], torch.float16, 5), (64, [4096, 64, 1000], torch.bfloat16, 6),
+             (64, [4096, 64, 1000], torch.bfloat16, 7)]
+    monkeypatch.setattr(U, "FAST_LAUNCH", False)
+    slow = [call(*c) for c in calls]
+    monkeypatch.setattr(U, "FAST_LAUNCH", True)
+    before = A._SPLIT.fast_launches
+    for _ in range(2):
+        fast = [call(*c) for c in calls]
+        for c, x, y in zip(calls, slow, fast, strict=True):
+            assert torch.equal(x, y), c
+    assert A._SPLIT.fast_launches - before >= len(calls)  # the second round runs through the cached kernels
+    monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "512")  # a setting of the plan: planned again, still equal
+    monkeypatch.setattr(U, "FAST_LAUNCH", False)
+    slow2 = call(*calls[0])
+    monkeypatch.setattr(U, "FAST_LAUNCH", True)
+    assert torch.equal(call(*calls[0]), slow2) and torch.equal(call(*calls[0]), slow2)

@@ -403,3 +403,27 @@ def test_decode_half_dot_splits_past_the_end(splits):
     """64-token steps (unmasked loop + partial-step loop) with splits that start past a sequence's end."""
     args = decode_case(2, 2, 4, 64, 128, 32, 4, 4, torch.float16, [96, 200], [5, 0])
     run_decode(args, f"decode half-dot splits{splits}", num_splits=splits, _force_half_dot=True)
+
+
+def test_decode_plans_are_reused_per_shape_and_setting(monkeypatch):
+    """paged_decode_attention plans once per shapes/strides/dtypes/settings key (kernels.attention._PLANS): calls
+    with other data reuse the plan and match the reference; another block-table width, dtype or environment
+    setting makes a new plan."""
+    from kivi_cache.kernels import attention as A
+
+    A._PLANS.clear()
+
+    def run(width, dtype, seed):
+        torch.manual_seed(seed)
+        args = decode_case(2, 2, 2, 64, 64, 32, 4, 4, dtype, [96, 160], [3, 17], c=32, width=width)
+        run_decode(args, f"decode plan {dtype}")
+
+    run(4, torch.float32, 0)
+    run(4, torch.float32, 1)
+    assert len(A._PLANS) == 1
+    run(5, torch.float32, 2)
+    run(4, torch.float16, 3)
+    assert len(A._PLANS) == 3
+    monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "128")
+    run(4, torch.float32, 4)
+    assert len(A._PLANS) == 4
