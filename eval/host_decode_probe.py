@@ -148,7 +148,8 @@ def main():
         import kivi_cache  # noqa: PLC0415
 
         gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-        res = dict(args=vars(args), torch=torch.__version__, kivi_cache=kivi_cache.__file__, gpu=gpu, op_host_us=op_host_time(bg.MODELS[args.model], dtype, dev, args.prompt, 500))
+        res = dict(args=vars(args), torch=torch.__version__, kivi_cache=kivi_cache.__file__, gpu=gpu,
+                   op_host_us=op_host_time(bg.MODELS[args.model], dtype, dev, args.prompt, 500))
         print(res["kivi_cache"], "op host us per call", json.dumps(res["op_host_us"]), flush=True)
         if args.out:
             with open(args.out, "w") as f:
