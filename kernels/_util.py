@@ -103,9 +103,11 @@ class Launcher:
 
 
 def _no_launch_hooks() -> bool:
+    """No launch hook is set (Triton 3.6+ keeps them as chains of callables, empty unless a profiler adds one)."""
     from triton import knobs  # noqa: PLC0415
 
-    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+    return all(h is None or not getattr(h, "calls", True)
+               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 
 
 def env_reader(names: tuple):
