@@ -1,0 +1,142 @@
+"""kernels._util.Launcher (direct launches of a compiled kernel, opt-in KIVI_FAST_LAUNCH=1) without a GPU: the
+argument list it rebuilds is the one Triton's own launch passes, and the decode op's call sites fit the kernels'
+parameter layout. On a GPU, tests/test_gpu.py::test_cached_launches_give_the_full_launch_paths_outputs compares
+outputs."""
+
+import inspect
+
+import pytest
+import torch
+
+from kivi_cache.kernels import _util as U
+from kivi_cache.kernels import attention as A
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+
+
+class _Compiled:
+    function, packed_metadata = "fn-handle", "packed"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _JIT:
+    """Stands in for a JITFunction: params x, n (runtime), BLOCK (constexpr), FLAG (constexpr, default 0)."""
+
+    def __init__(self):
+        self.params = [_Param("x"), _Param("n"), _Param("BLOCK"), _Param("FLAG", 0)]
+        self.compiled = _Compiled()
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.launches.append((grid, args, meta))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """The launcher's GPU-only parts made to run here: fast path on, no interpreter, a fake current stream."""
+    monkeypatch.setattr(U, "FAST_LAUNCH", True)
+    monkeypatch.setattr(U, "interpreting", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_launcher_launches_the_cached_kernel_with_triton_s_argument_list(gpu_like):
+    jit = _JIT()
+    launch = U.Launcher(jit)
+    x = torch.zeros(8)
+    assert launch("plan", (3,), (x, 5), dict(BLOCK=16, num_warps=1)) is jit.compiled  # first: Triton's own launch
+    assert len(jit.launches) == 1 and not jit.compiled.calls
+    launch("plan", (3, 2), (x, 5), dict(BLOCK=16, num_warps=1))
+    assert len(jit.launches) == 1 and launch.fast_launches == 1
+    # JITFunction.run ends with kernel.run(grid x 3, stream, function, packed metadata, launch metadata, hooks,
+    # *every parameter's value in order: runtime arguments, then constexprs with their defaults)
+    assert jit.compiled.calls == [(3, 2, 1, 1234, "fn-handle", "packed", None, None, None, x, 5, 16, 0)]
+
+
+def test_launcher_goes_through_triton_for_a_new_key_a_misaligned_pointer_or_a_hook(gpu_like, monkeypatch):
+    jit = _JIT()
+    launch = U.Launcher(jit)
+    x = torch.zeros(8)
+    launch("plan", (1,), (x, 5), dict(BLOCK=16))
+    launch("other plan", (1,), (x, 5), dict(BLOCK=16))  # another key: Triton's launch, then cached
+    odd = torch.zeros(9)[1:]  # 4 bytes past an aligned block: another specialization
+    launch("plan", (1,), (odd, 5), dict(BLOCK=16))
+    assert len(jit.launches) == 3 and launch.fast_launches == 0
+    launch(None, (1,), (x, 5), dict(BLOCK=16))  # no plan: never cached
+    assert len(jit.launches) == 4
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # Triton 3.6+: a chain of hooks; one added (a profiler) disables the direct path
+        def profiler_hook(meta):
+            return None
+
+        hook.add(profiler_hook)
+        try:
+            launch("plan", (1,), (x, 5), dict(BLOCK=16))
+        finally:
+            hook.remove(profiler_hook)
+        assert len(jit.launches) == 5 and launch.fast_launches == 0
+    launch("plan", (1,), (x, 5), dict(BLOCK=16))
+    assert launch.fast_launches == 1
+
+
+def test_launcher_is_off_by_default_and_under_the_interpreter(monkeypatch):
+    assert not U.FAST_LAUNCH or U.interpreting()  # opt-in (KIVI_FAST_LAUNCH=1) until checked on a GPU
+    jit = _JIT()
+    launch = U.Launcher(jit)
+    monkeypatch.setattr(U, "FAST_LAUNCH", True)
+    x = torch.zeros(8)
+    for _ in range(2):
+        launch("plan", (1,), (x, 5), dict(BLOCK=16))
+    assert len(jit.launches) == 2 and launch.fast_launches == 0  # the tests run under TRITON_INTERPRET=1
+
+
+def _runtime_params(fn):
+    params = list(inspect.signature(fn.fn).parameters.values())
+    const = ["constexpr" in str(p.annotation) for p in params]
+    n = const.index(True)
+    assert not any(const[:n]) and all(const[n:]), "constexprs must follow every runtime parameter"
+    return n
+
+
+def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch):
+    """The launcher rebuilds the constexpr values from the parameters after the positional arguments: the decode
+    op must pass exactly the runtime parameters positionally and the kernels must declare them first."""
+    seen = {}
+
+    def recorder(name):
+        def record(plan_key, grid, args, meta):
+            seen[name] = (args, meta)
+        return record
+
+    monkeypatch.setattr(A, "_SPLIT", recorder("split"))
+    monkeypatch.setattr(A, "_REDUCE", recorder("reduce"))
+    monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
+    from kivi_cache import Int4PagedCache
+
+    cache = Int4PagedCache()
+    k = torch.randn(1, 2, 300, 64)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    bt, ql, rl = layer._device_state()
+    A.paged_decode_attention(torch.randn(1, 4, 64), bt, ql, *layer.pool.args(), layer.res_k, layer.res_v, rl, 4, 4,
+                             32, 0.125)
+    for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
+        args, meta = seen[name]
+        n = _runtime_params(fn)
+        assert len(args) == n, (name, len(args), n)
+        names = list(inspect.signature(fn.fn).parameters)
+        assert set(names[n:]) - set(meta) <= {"PDL"}, (name, names[n:], meta)  # PDL has a default
