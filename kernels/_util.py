@@ -85,9 +85,11 @@ class Launcher:
 
     def __call__(self, plan_key, grid: tuple, args: tuple, meta: dict):
         fast = FAST_LAUNCH and plan_key is not None and not interpreting()
-        if fast:
-            key = (plan_key, tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
-            hit = self.kernels.get(key)
+        entry = self.kernels.get(plan_key) if fast else None
+        if entry is not None:  # (positions of the tensor arguments, {their alignment: (kernel, constexprs)})
+            tensors, by_align = entry
+            align = tuple(args[i].data_ptr() % 16 == 0 for i in tensors)
+            hit = by_align.get(align)
             if hit is not None and _no_launch_hooks():
                 kernel, consts = hit
                 g = (*grid, 1, 1)
@@ -97,9 +99,14 @@ class Launcher:
                 return kernel
         kernel = self.fn[grid](*args, **meta)
         if fast and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+            if entry is None:
+                if len(self.kernels) > 4096:  # plan keys seen by a long-lived process: keep the cache bounded
+                    self.kernels.clear()
+                entry = self.kernels[plan_key] = (
+                    tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), {})
             params = self.fn.params[len(args):]  # the constexprs (and defaulted parameters) after the runtime args
             consts = tuple(meta[p.name] if p.name in meta else p.default for p in params)
-            self.kernels[key] = (kernel, consts)
+            entry[1][tuple(args[i].data_ptr() % 16 == 0 for i in entry[0])] = (kernel, consts)
         return kernel
 
 
