@@ -118,6 +118,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self.block_table, self.q_len, self.r_len = bt, ql.clone(), rl.clone()
         self.sink_len = torch.tensor(self.sinks, dtype=torch.int32, device=self.device)
         self.seen_t = torch.tensor(self.seen, device=self.device)
+        self.host_seen = self.seen  # the same count on the host, for the eager check in _update_static
         self.static = True
         if not torch.compiler.is_compiling():
             for t in (*self.pool.args(), self.res_k, self.res_v, self.block_table, self.q_len, self.r_len,
@@ -147,6 +148,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
 
     def _update_static(self, key_states, value_states):
         """One token per sequence as tensor operations on fixed shapes: the step torch.compile captures whole."""
+        if not torch.compiler.is_compiling():  # eager: a clear error before anything is written
+            if self.host_seen + 1 > self.max_cache_len:
+                raise ValueError(f"StaticQuantizedPagedCache: more tokens than max_cache_len={self.max_cache_len} "
+                                 f"(prompt + new tokens); make the cache with a larger max_cache_len")
+            self.host_seen += 1
         self.decoding = True
         cfg, g, h, d = self.cfg, self.cfg.group_size, self.num_heads, self.head_dim
         dev = key_states.device
@@ -177,8 +183,8 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self.res_v.copy_(torch.gather(self.res_v, 2, si))
         self.r_len.sub_(g * full.int())
         self.seen_t.add_(1)
-        # past max_cache_len a flush would find no page of its own: fail (asynchronously: no host sync) instead of
-        # overwriting the sequence's last page
+        # compiled (no host check above): past max_cache_len a flush would find no page of its own: fail
+        # (asynchronously: no host sync) instead of overwriting the sequence's last page
         torch._assert_async(self.seen_t <= self.max_cache_len,
                             "StaticQuantizedPagedCache: more tokens than max_cache_len (prompt + new tokens)")
         return self.res_k, self.res_v

@@ -49,7 +49,8 @@ def _decode_logits(model, ids, forward, steps):
 def test_static_pool_holds_exactly_the_pages_of_max_cache_len_and_refuses_more_tokens(make):
     """Every sequence gets QuantConfig.pages_per_sequence(max_cache_len) pages (its whole key groups beyond the sinks
     and the window; not ceil(max_cache_len / page_size)), generating up to max_cache_len gives the dynamic cache's
-    tokens, and one token more fails instead of overwriting the last page."""
+    tokens, and one token more fails instead of overwriting the last page (eagerly: a ValueError before the step
+    writes anything; compiled: an asynchronous device assert)."""
     model = make()
     ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(5))
     n = 30
@@ -61,8 +62,10 @@ def test_static_pool_holds_exactly_the_pages_of_max_cache_len_and_refuses_more_t
     for layer in cache.layers:
         assert layer.block_table.shape == (2, per_seq) and layer.pool.capacity == 2 * per_seq + 1  # + scratch
         assert layer.q_len.tolist() == [48, 48]  # the last page filled: the sizing is tight
-    with pytest.raises(RuntimeError, match="max_cache_len"):
-        _generate(model, ids, StaticQuantizedPagedCache(model, max_len, **CFG), n=n + 2)
+    cache = StaticQuantizedPagedCache(model, max_len, **CFG)
+    with pytest.raises(ValueError, match="max_cache_len"):  # eager: checked on the host before the step writes
+        _generate(model, ids, cache, n=n + 2)
+    assert cache.layers[0].seen_t.item() == max_len and cache.layers[-1].seen_t.item() == max_len
 
 
 def test_decode_step_has_no_graph_breaks_and_compiles_to_the_same_logits():
