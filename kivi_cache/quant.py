@@ -65,10 +65,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     n = 8 // bits
     if n == 1:
         return packed
-    p = packed.to(torch.int32)
-    shifts = torch.arange(n, device=packed.device, dtype=torch.int32) * bits
-    chunks = (p.unsqueeze(-2) >> shifts[:, None]) & qmax(bits)
-    return chunks.reshape(*packed.shape[:-1], n * packed.shape[-1]).to(torch.uint8)
+    shifts = torch.arange(n, device=packed.device, dtype=torch.uint8) * bits  # uint8 throughout: no widening copies
+    chunks = (packed.unsqueeze(-2) >> shifts[:, None]) & qmax(bits)
+    return chunks.reshape(*packed.shape[:-1], n * packed.shape[-1])
 
 
 def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -123,17 +122,19 @@ def quantize_values(v: torch.Tensor, bits: int, group_size: int, store_dtype: to
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """codes ``[..., T, D]`` (unpacked), scale/zero ``[..., T // G, D]`` -> ``[..., T, D]``."""
-    s = scale.float().repeat_interleave(group_size, dim=-2)
-    z = zero.float().repeat_interleave(group_size, dim=-2)
-    return (codes.float() * s + z).to(dtype or scale.dtype)
+    *lead, t, d = codes.shape
+    c = codes.float().reshape(*lead, t // group_size, group_size, d)  # each group's scale broadcast over its tokens
+    out = c * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)
+    return out.reshape(*lead, t, d).to(dtype or scale.dtype)
 
 
 def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """codes ``[..., T, D]`` (unpacked), scale/zero ``[..., T, D // G]`` -> ``[..., T, D]``."""
-    s = scale.float().repeat_interleave(group_size, dim=-1)
-    z = zero.float().repeat_interleave(group_size, dim=-1)
-    return (codes.float() * s + z).to(dtype or scale.dtype)
+    *lead, t, d = codes.shape
+    c = codes.float().reshape(*lead, t, d // group_size, group_size)  # each group's scale broadcast over its channels
+    out = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return out.reshape(*lead, t, d).to(dtype or scale.dtype)
 
 
 def pack_tokens(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -160,10 +161,10 @@ def unpack_tokens(packed: torch.Tensor, bits: int) -> torch.Tensor:
     tw = 4 * n
     *lead, c, nb = packed.shape
     t = nb * n
-    x = packed.to(torch.int32).reshape(*lead, c, t // tw, 4)
-    out = torch.empty(*lead, c, t // tw, n, 2, 2, dtype=torch.int32, device=packed.device)
+    x = packed.reshape(*lead, c, t // tw, 4)  # uint8 throughout
+    out = torch.empty(*lead, c, t // tw, n, 2, 2, dtype=torch.uint8, device=packed.device)
     for k in range(n):
         for q in range(2):
             for h in range(2):
                 out[..., k, q, h] = (x[..., q + 2 * h] >> (k * bits)) & qmax(bits)
-    return out.reshape(*lead, c, t).to(torch.uint8)
+    return out.reshape(*lead, c, t)
