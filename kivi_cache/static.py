@@ -183,10 +183,10 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self.res_v.copy_(torch.gather(self.res_v, 2, si))
         self.r_len.sub_(g * full.int())
         self.seen_t.add_(1)
-        # compiled (no host check above): past max_cache_len a flush would find no page of its own: fail
-        # (asynchronously: no host sync) instead of overwriting the sequence's last page
-        torch._assert_async(self.seen_t <= self.max_cache_len,
-                            "StaticQuantizedPagedCache: more tokens than max_cache_len (prompt + new tokens)")
+        if torch.compiler.is_compiling():  # no host check above: past max_cache_len a flush would find no page of
+            # its own; fail (asynchronously: no host sync) instead of overwriting the sequence's last page
+            torch._assert_async(self.seen_t <= self.max_cache_len,
+                                "StaticQuantizedPagedCache: more tokens than max_cache_len (prompt + new tokens)")
         return self.res_k, self.res_v
 
     def _to_dynamic(self) -> None:

@@ -83,6 +83,24 @@ def test_decode_step_has_no_graph_breaks_and_compiles_to_the_same_logits():
     assert int(cache.layers[0].q_len.max()) > 0
 
 
+def test_a_compiled_step_past_max_cache_len_fails():
+    """Compiled, the step has no host check: the traced assert stops the step that would need a page beyond the
+    sequence's own (eagerly the same step raises a ValueError: the test above)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    cache = StaticQuantizedPagedCache(model, 45, **CFG)
+    with torch.no_grad():
+        tok = model(ids, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+        for i in range(5):  # 45 tokens cached: the limit
+            out = forward(tok, **cache_kwargs(model, cache), cache_position=torch.full((1,), 40 + i))
+            tok = out.logits[:, -1:].argmax(-1)
+        with pytest.raises(RuntimeError, match="max_cache_len"):
+            forward(tok, **cache_kwargs(model, cache), cache_position=torch.full((1,), 45))
+    torch._dynamo.reset()
+
+
 def test_static_errors():
     model = tiny_llama()
     ids = torch.randint(0, 100, (1, 40))
