@@ -39,11 +39,13 @@ def decisive_prompt(model, length, new_tokens=32, margin=0.02, batch=1, tries=40
     alone, so a cache that changes the tokens still fails."""
     from transformers import DynamicCache
 
+    from kivi_cache import cache_kwargs
+
     gen = torch.Generator().manual_seed(seed)
     for _ in range(tries):
         ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=gen)
         with torch.no_grad():
-            out = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=new_tokens,
+            out = model.generate(ids, **cache_kwargs(model, DynamicCache()), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True)
         top2 = torch.stack(out.logits).topk(2, dim=-1).values
