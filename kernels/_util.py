@@ -86,6 +86,7 @@ class Launcher:
     def __call__(self, plan_key, grid: tuple, args: tuple, meta: dict):
         fast = FAST_LAUNCH and plan_key is not None and not interpreting()
         entry = self.kernels.get(plan_key) if fast else None
+        align = None
         if entry is not None:  # (positions of the tensor arguments, {their alignment: (kernel, constexprs)})
             tensors, by_align = entry
             align = tuple(args[i].data_ptr() % 16 == 0 for i in tensors)
@@ -106,7 +107,9 @@ class Launcher:
                     tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), {})
             params = self.fn.params[len(args):]  # the constexprs (and defaulted parameters) after the runtime args
             consts = tuple(meta[p.name] if p.name in meta else p.default for p in params)
-            entry[1][tuple(args[i].data_ptr() % 16 == 0 for i in entry[0])] = (kernel, consts)
+            if align is None:
+                align = tuple(args[i].data_ptr() % 16 == 0 for i in entry[0])
+            entry[1][align] = (kernel, consts)
         return kernel
 
 

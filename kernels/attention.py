@@ -656,7 +656,7 @@ class _DecodePlan:
     """What a decode call derives from shapes, strides, dtypes and settings alone (FlashInfer's plan/run split):
     checked once, then every call with the same key only allocates its workspace and launches."""
 
-    __slots__ = ("meta", "ns", "grid", "pdl", "reduce_grid", "reduce_meta", "rows", "nsp1", "rkey", "final", "ints")
+    __slots__ = ("meta", "grid", "reduce_grid", "reduce_meta", "rows", "nsp1", "rkey", "final", "ints")
 
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                  value_bits, group_size, num_splits, force_half_dot, plain):
@@ -693,14 +693,14 @@ class _DecodePlan:
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
                     num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
         rkey = (q.device.index, *meta.items())
-        self.ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
-                                             _RESIDENT.get(rkey, RESIDENT_DEFAULT))
-        self.pdl = pdl = _pdl(q.device)
+        ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
+                                        _RESIDENT.get(rkey, RESIDENT_DEFAULT))
+        pdl = _pdl(q.device)
         self.meta = dict(meta, **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}))
-        self.grid = (bsz * hkv, self.ns + 1)
-        self.rows, self.nsp1, self.rkey = bsz * hq, self.ns + 1, rkey
+        self.grid = (bsz * hkv, ns + 1)
+        self.rows, self.nsp1, self.rkey = bsz * hq, ns + 1, rkey
         # the split kernel's integer arguments: fixed by the key (its strides, head counts, splits)
-        self.ints = (hkv, self.ns, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0), kw.stride(1),
+        self.ints = (hkv, ns, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0), kw.stride(1),
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, pdl)
