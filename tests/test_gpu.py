@@ -18,6 +18,16 @@ def _auto_backend():
     kivi_cache.set_backend("auto")
 
 
+def _bench_kernels():
+    """eval/bench_kernels.py (its pool and argument builders) as a module."""
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
+    return importlib.import_module("bench_kernels")
+
+
 def _gen(model, ids, cache, n=32):
     with torch.no_grad():
         return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -86,13 +96,10 @@ def test_programmatic_dependent_launch_gives_identical_outputs(monkeypatch, pdl)
     """KIVI_DECODE_PDL (opt-in, sm_90+): the merge kernel launched early waits for the partials on the device;
     outputs equal the default launch bit for bit, eagerly and replayed from a CUDA graph (where many decode
     calls follow each other, so a missing wait would read the previous call's partials)."""
-    import os
-    import sys
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
-    from bench_kernels import decode_args, make_pool
+    bk = _bench_kernels()
+    decode_args, make_pool = bk.decode_args, bk.make_pool
 
     from kivi_cache import kernels as KK
 
@@ -166,11 +173,7 @@ def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
     1, odd, long), every entry past each sequence's pages poisoned with a page id far outside the pool, default
     and forced split counts; the output matches the reference computed on the same table with the poison
     replaced by a valid id (the reference gathers every entry)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
-    from bench_kernels import make_pool
+    make_pool = _bench_kernels().make_pool
 
     from kivi_cache import kernels as KK
     from kivi_cache import reference as REF
@@ -204,11 +207,7 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
     """The decode op's plan cache and its direct launches of the compiled kernels (kernels._util.Launcher) give
     bit for bit what Triton's own launch path gives, over calls that change the data, the lengths, the block
     table's width (a new plan), the dtype and an environment setting; and the direct path is taken."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
-    from bench_kernels import make_pool
+    make_pool = _bench_kernels().make_pool
 
     from kivi_cache.kernels import _util as U
     from kivi_cache.kernels import attention as A
