@@ -71,10 +71,13 @@ def num_sms(device: torch.device) -> int:
 # cache key) before the driver call; an eager decode step makes two per layer. ``Launcher`` keeps the compiled
 # kernel of a first launch under the caller's plan key (everything that fixes Triton's specialization except
 # the pointers' alignment, which is checked per call) and launches it directly afterwards, through the same
-# ``CompiledKernel.run`` call ``JITFunction.run`` ends with (Triton 3.6 to 3.9). Opt-in (KIVI_FAST_LAUNCH=1) until
-# a GPU run has checked it (session 11 could not: tests/test_gpu.py::test_cached_launches_give_the_full_launch_paths_
-# outputs); never under the interpreter or while a launch hook (a profiler) is set.
-FAST_LAUNCH = os.environ.get("KIVI_FAST_LAUNCH", "0") == "1"
+# ``CompiledKernel.run`` call ``JITFunction.run`` ends with (Triton 3.6 to 3.9), with the tensors passed as their
+# addresses (Triton's launcher takes an int as the pointer itself; for a tensor it calls ``data_ptr`` and asks the
+# driver about the pointer, once per tensor and launch). On by default since session 12 (H200: the decode op's host
+# time per call 202 -> 107 us, bit-equal outputs, eval/results/op_host_fast*_s12.json, gpu_tests_launch_s12.log);
+# ``KIVI_FAST_LAUNCH=0`` turns it off. Never under the interpreter or while a launch hook (a profiler) is set.
+FAST_LAUNCH = os.environ.get("KIVI_FAST_LAUNCH", "1") != "0"
+_knobs = None
 
 
 class Launcher:
@@ -89,13 +92,17 @@ class Launcher:
         align = None
         if entry is not None:  # (positions of the tensor arguments, {their alignment: (kernel, constexprs)})
             tensors, by_align = entry
-            align = tuple(args[i].data_ptr() % 16 == 0 for i in tensors)
+            ptrs = [args[i].data_ptr() for i in tensors]
+            align = tuple([p % 16 == 0 for p in ptrs])
             hit = by_align.get(align)
             if hit is not None and _no_launch_hooks():
                 kernel, consts = hit
+                call = list(args)
+                for i, p in zip(tensors, ptrs):
+                    call[i] = p
                 g = (*grid, 1, 1)
                 kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()),
-                           kernel.function, kernel.packed_metadata, None, None, None, *args, *consts)
+                           kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
                 self.fast_launches += 1
                 return kernel
         kernel = self.fn[grid](*args, **meta)
@@ -115,10 +122,12 @@ class Launcher:
 
 def _no_launch_hooks() -> bool:
     """No launch hook is set (Triton 3.6+ keeps them as chains of callables, empty unless a profiler adds one)."""
-    from triton import knobs  # noqa: PLC0415
+    global _knobs
+    if _knobs is None:
+        from triton import knobs  # noqa: PLC0415
 
-    return all(h is None or not getattr(h, "calls", True)
-               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+        _knobs = knobs.runtime
+    return all(h is None or not getattr(h, "calls", True) for h in (_knobs.launch_enter_hook, _knobs.launch_exit_hook))
 
 
 def env_reader(names: tuple):

@@ -91,12 +91,27 @@ class QuantizedPagedLayer(CacheLayerMixin):
             width = max(1, max(map(len, self.tables), default=1))
             # through numpy, not torch.tensor on nested lists (892 sequences: 1.05 -> 0.42 ms, eval/host_probe.py)
             bt = np.array([t if len(t) == width else t + [-1] * (width - len(t)) for t in self.tables], dtype=np.int32)
+            r = self.r_lens
             self._dev = (
                 self._upload(bt.reshape(len(self.tables), width)),
                 self._upload(np.array(self.q_lens, dtype=np.int32)),
-                self._upload(np.array(self.r_lens, dtype=np.int32)),
+                self._uniform_lengths(r[0]) if _all_equal(r) else self._upload(np.array(r, dtype=np.int32)),
             )
         return self._dev
+
+    def _uniform_lengths(self, r: int) -> torch.Tensor:
+        """``[B]`` int32 on the device, every entry ``r`` (0 <= r <= the window's capacity): a row of a constant
+        table shared by the layers (a view: no copy or launch; the decode step's window length grows this way
+        instead of by an in-place add, eval/NOTES.md session 12). Never written to."""
+        cap = self.res_k.shape[2]
+        key = (self.device, self.batch_size, cap)
+        table = _LENGTH_ROWS.get(key)
+        if table is None:
+            if len(_LENGTH_ROWS) > 16:
+                _LENGTH_ROWS.clear()
+            rows = np.repeat(np.arange(cap + 1, dtype=np.int32)[:, None], self.batch_size, axis=1)
+            table = _LENGTH_ROWS[key] = self._upload(rows)
+        return table[r]
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without a stream sync. torch's blocking copy from pageable memory
@@ -142,9 +157,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _append_one(self, k, v) -> None:
         r = self.r_lens
         uniform = self._uniform()  # no padding so far: one window length and sink count for all
-        if uniform or _all_equal(r):
-            self.res_k[:, :, r[0]] = k[:, :, 0]
-            self.res_v[:, :, r[0]] = v[:, :, 0]
+        if uniform or _all_equal(r):  # narrow + copy_: half the host time of an indexed assignment
+            self.res_k.narrow(2, r[0], 1).copy_(k)
+            self.res_v.narrow(2, r[0], 1).copy_(v)
         else:
             rows = torch.arange(self.batch_size, device=self.device)
             idx = self._device_state()[2].long()
@@ -160,7 +175,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self.sinks = [x + 1 if x < sink else x for x in self.sinks]
             full = [i for i, x in enumerate(self.r_lens) if x - self.sinks[i] >= limit]
         if self._dev is not None:
-            self._dev[2].add_(1)
+            if _all_equal(self.r_lens):
+                self._dev = (*self._dev[:2], self._uniform_lengths(self.r_lens[0]))
+            else:  # lengths that differ stayed different: an uploaded tensor of this layer, not a shared row
+                self._dev[2].add_(1)
         if full:
             self._flush_residual(full)
 
@@ -534,6 +552,8 @@ def query_len(query_length) -> int:
     """``get_mask_sizes``'s first argument as a token count (older transformers pass ``cache_position``)."""
     return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
 
+
+_LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> [capacity + 1, batch] int32, row r all r
 
 _LAST_VALID: list = [None, None, None]  # (weakref to the mask, key, result) of the last call
 

@@ -1,4 +1,4 @@
-"""kernels._util.Launcher (direct launches of a compiled kernel, opt-in KIVI_FAST_LAUNCH=1) without a GPU: the
+"""kernels._util.Launcher (direct launches of a compiled kernel; on unless KIVI_FAST_LAUNCH=0) without a GPU: the
 argument list it rebuilds is the one Triton's own launch passes, and the decode op's call sites fit the kernels'
 parameter layout. On a GPU, tests/test_gpu.py::test_cached_launches_give_the_full_launch_paths_outputs compares
 outputs."""
@@ -60,8 +60,12 @@ def test_launcher_launches_the_cached_kernel_with_triton_s_argument_list(gpu_lik
     launch("plan", (3, 2), (x, 5), dict(BLOCK=16, num_warps=1))
     assert len(jit.launches) == 1 and launch.fast_launches == 1
     # JITFunction.run ends with kernel.run(grid x 3, stream, function, packed metadata, launch metadata, hooks,
-    # *every parameter's value in order: runtime arguments, then constexprs with their defaults)
-    assert jit.compiled.calls == [(3, 2, 1, 1234, "fn-handle", "packed", None, None, None, x, 5, 16, 0)]
+    # *every parameter's value in order: runtime arguments, then constexprs with their defaults); a tensor goes as its
+    # address (an int: Triton's launcher then skips its data_ptr call and the driver's pointer query)
+    assert jit.compiled.calls == [(3, 2, 1, 1234, "fn-handle", "packed", None, None, None, x.data_ptr(), 5, 16, 0)]
+    y = torch.zeros(8)  # another tensor of the same specialization: its own address
+    launch("plan", (3,), (y, 7), dict(BLOCK=16, num_warps=1))
+    assert jit.compiled.calls[-1][9:] == (y.data_ptr(), 7, 16, 0) and launch.fast_launches == 2
 
 
 def test_launcher_goes_through_triton_for_a_new_key_a_misaligned_pointer_or_a_hook(gpu_like, monkeypatch):
@@ -92,8 +96,10 @@ def test_launcher_goes_through_triton_for_a_new_key_a_misaligned_pointer_or_a_ho
     assert launch.fast_launches == 1
 
 
-def test_launcher_is_off_by_default_and_under_the_interpreter(monkeypatch):
-    assert not U.FAST_LAUNCH or U.interpreting()  # opt-in (KIVI_FAST_LAUNCH=1) until checked on a GPU
+def test_launcher_is_on_by_default_and_off_under_the_interpreter(monkeypatch):
+    import os
+
+    assert U.FAST_LAUNCH == (os.environ.get("KIVI_FAST_LAUNCH", "1") != "0")  # on unless KIVI_FAST_LAUNCH=0
     jit = _JIT()
     launch = U.Launcher(jit)
     monkeypatch.setattr(U, "FAST_LAUNCH", True)
