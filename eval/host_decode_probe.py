@@ -44,7 +44,7 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None):
+def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None, on_step=None):
     """Prefill ``ids``, then ``steps`` one-token forwards. Returns (step seconds, host seconds) lists."""
     with torch.no_grad():
         out = model(ids, **cache_kwargs(model, cache), use_cache=True)
@@ -65,6 +65,8 @@ def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None):
             step_s.append(time.perf_counter() - t0)
             host_s.append(t1 - t0)
             pos += 1
+            if on_step is not None:
+                on_step()
         if prof is not None:
             prof.disable()
         sync(dev)
@@ -131,6 +133,29 @@ def op_host_time(spec: dict, dtype, dev, prompt: int, calls: int) -> dict:
     return out
 
 
+def flush_probe(model, ids, args, dev) -> None:
+    """Per-step times of kivi-int4 decode steps (synced), split by whether the step flushed a key group."""
+    decode(model, Int4PagedCache(), ids, 8, dev, wait=True)  # warm-up
+    res = dict(args=vars(args), torch=torch.__version__, gpu=torch.cuda.get_device_name() if dev.type == "cuda"
+               else "cpu", upload=os.environ.get("KIVI_UPLOAD", "pinned"), runs=[])
+    for _ in range(2):
+        cache = Int4PagedCache()
+        flushed = []
+        step_s, host_s = decode(model, cache, ids, args.flush_probe, dev, wait=True,
+                                on_step=lambda c=cache: flushed.append(sum(c.layers[0].q_lens)))
+        flush = [i > 0 and flushed[i] != flushed[i - 1] for i in range(len(flushed))]
+        fl = [t * 1e3 for t, f in zip(step_s, flush) if f]
+        other = [t * 1e3 for t, f in zip(step_s, flush) if not f]
+        run = dict(step_ms=[round(t * 1e3, 3) for t in step_s], host_ms=[round(t * 1e3, 3) for t in host_s],
+                   flush=flush, flush_steps=len(fl), flush_ms_median=statistics.median(fl) if fl else None,
+                   other_ms_median=statistics.median(other), mean_ms=sum(step_s) / len(step_s) * 1e3)
+        res["runs"].append(run)
+        print(json.dumps({k: v for k, v in run.items() if k not in ("step_ms", "host_ms", "flush")}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama3-8b", choices=sorted(bg.MODELS))
@@ -140,6 +165,9 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--op-only", action="store_true", help="only item 3 (no model; seconds)")
+    ap.add_argument("--flush-probe", type=int, default=0, metavar="STEPS",
+                    help="only kivi-int4: STEPS synced decode steps, each step's time, flush steps (a key group "
+                         "quantized) against the others")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -157,6 +185,9 @@ def main():
         return
     model = bg.build_model(args.model, dev, torch.float16 if dev.type == "cuda" else torch.float32)
     ids = bg.prompt_ids(1, args.prompt, model.config.vocab_size, dev)
+    if args.flush_probe:
+        flush_probe(model, ids, args, dev)
+        return
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
                gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rounds=[])
     for make in CACHES.values():  # warm-up: kernels compiled, allocator primed

@@ -23,6 +23,7 @@ is thus attended in full precision, as in KIVI.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -121,6 +122,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         t = torch.from_numpy(a)
         if self.device.type != "cuda":
             return t.to(self.device)
+        if _UPLOAD == "pageable":  # experiment (eval/host_decode_probe.py --flush-probe): no pinned staging
+            return t.to(self.device, non_blocking=True)
         return t.pin_memory().to(self.device, non_blocking=True)
 
     # ----------------------------------------------------------------- update
@@ -553,6 +556,7 @@ def query_len(query_length) -> int:
     return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
 
 
+_UPLOAD = os.environ.get("KIVI_UPLOAD", "pinned")  # how host arrays reach the GPU: "pinned" or "pageable"
 _LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> [capacity + 1, batch] int32, row r all r
 
 _LAST_VALID: list = [None, None, None]  # (weakref to the mask, key, result) of the last call
