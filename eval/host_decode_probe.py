@@ -141,11 +141,14 @@ def flush_probe(model, ids, args, dev) -> None:
     for _ in range(2):
         cache = Int4PagedCache()
         flushed = []
-        step_s, host_s = decode(model, cache, ids, args.flush_probe, dev, wait=True,
-                                on_step=lambda c=cache: flushed.append(sum(c.layers[0].q_lens)))
+
+        def on_step(c=cache, seen=flushed):
+            seen.append(sum(c.layers[0].q_lens))
+
+        step_s, host_s = decode(model, cache, ids, args.flush_probe, dev, wait=True, on_step=on_step)
         flush = [i > 0 and flushed[i] != flushed[i - 1] for i in range(len(flushed))]
-        fl = [t * 1e3 for t, f in zip(step_s, flush) if f]
-        other = [t * 1e3 for t, f in zip(step_s, flush) if not f]
+        fl = [t * 1e3 for t, f in zip(step_s, flush, strict=True) if f]
+        other = [t * 1e3 for t, f in zip(step_s, flush, strict=True) if not f]
         run = dict(step_ms=[round(t * 1e3, 3) for t in step_s], host_ms=[round(t * 1e3, 3) for t in host_s],
                    flush=flush, flush_steps=len(fl), flush_ms_median=statistics.median(fl) if fl else None,
                    other_ms_median=statistics.median(other), mean_ms=sum(step_s) / len(step_s) * 1e3)

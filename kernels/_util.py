@@ -98,7 +98,7 @@ class Launcher:
             if hit is not None and _no_launch_hooks():
                 kernel, consts = hit
                 call = list(args)
-                for i, p in zip(tensors, ptrs):
+                for i, p in zip(tensors, ptrs, strict=True):
                     call[i] = p
                 g = (*grid, 1, 1)
                 kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()),

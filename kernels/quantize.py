@@ -11,13 +11,11 @@ code 0), packs them (keys planar per token row, values per channel row along tok
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ._util import check_bits, check_group, check_head_dim
+from ._util import Launcher, check_bits, check_group, check_head_dim, env_reader
 
 
 @triton.jit
@@ -140,17 +138,25 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
             raise ValueError("pool tensors must have a contiguous last dimension")
     pages = pages.contiguous()
     slots = slots.contiguous()
-    split = int(os.environ.get("KIVI_QUANT_SPLIT", 1))
-    _quantize_write_kernel[(n, h, 1 + split)](
+    env = _quant_env()
+    split = int(env[0] or 1)
+    meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
+                BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
+                RECIP=k.device.type == "cuda", SPLIT=split, num_warps=int(env[1] or 4))
+    # everything that fixes the compiled kernel besides the pointers' alignment (kernels._util.Launcher): the
+    # decode step's flushes then launch it directly
+    key = (k.shape[1:], k.stride(), v.stride(), k.dtype, v.dtype, k.device, pages.dtype, slots.dtype, k_codes.shape,
+           k_codes.stride(), k_scale.stride(), k_scale.dtype, k_zero.stride(), k_zero.dtype, v_codes.stride(),
+           v_scale.stride(), v_scale.dtype, v_zero.stride(), v_zero.dtype, tuple(meta.items()))
+    _QUANT(key, (n, h, 1 + split), (
         k, v, pages, slots,
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
-        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-        G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
-        BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
-        RECIP=k.device.type == "cuda", SPLIT=split,
-        num_warps=int(os.environ.get("KIVI_QUANT_WARPS", 4)),
-    )
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2)), meta)
+
+
+_quant_env = env_reader(("KIVI_QUANT_SPLIT", "KIVI_QUANT_WARPS"))
+_QUANT = Launcher(_quantize_write_kernel)

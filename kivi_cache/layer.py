@@ -198,7 +198,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if len(seqs) == self.batch_size and self._uniform():  # every window at once
             s, r = self.sinks[0], self.r_lens[0]
             c = self._flush_count(r, s)
-            self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c])  # copies before the shift
+            self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c])  # quantized before the shift
             self._window_drop(slice(None), s, r, c)
             self.r_lens = [r - c] * self.batch_size
         else:
@@ -308,8 +308,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     def _quantize(self, k_groups, v_groups, pages: list, slots: list) -> None:
         cfg = self.cfg
-        ops.quantize_and_write(
-            k_groups.contiguous(), v_groups.contiguous(),
+        ops.quantize_and_write(  # strided views of the window are fine (the kernels take strides): no copies
+            k_groups, v_groups,
             self._upload(np.array(pages, dtype=np.int32)),
             self._upload(np.array(slots, dtype=np.int32)),
             *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)

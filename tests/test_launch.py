@@ -146,3 +146,35 @@ def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch
         assert len(args) == n, (name, len(args), n)
         names = list(inspect.signature(fn.fn).parameters)
         assert set(names[n:]) - set(meta) <= {"PDL"}, (name, names[n:], meta)  # PDL has a default
+
+
+def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypatch):
+    from kivi_cache.kernels import quantize as Q
+
+    seen = {}
+
+    def record(plan_key, grid, args, meta):
+        seen["q"] = (plan_key, grid, args, meta)
+
+    monkeypatch.setattr(Q, "_QUANT", record)
+    from kivi_cache import Int4PagedCache
+
+    cache = Int4PagedCache()
+    k = torch.randn(1, 2, 300, 64)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    pool = layer.pool.args()
+    g = torch.randn(3, 2, 32, 64)
+    pages = torch.tensor([0, 1, 2], dtype=torch.int32)
+    Q.quantize_and_write(g, g, pages, pages * 0, *pool, 4, 4, 32)
+    key, grid, args, meta = seen["q"]
+    n = _runtime_params(Q._quantize_write_kernel)
+    assert len(args) == n and grid == (3, 2, 2)
+    names = list(inspect.signature(Q._quantize_write_kernel.fn).parameters)
+    assert set(names[n:]) == set(meta) - {"num_warps"}
+    strided = g[:, :, :, :]  # another call with the same shapes and strides has the same key; other strides another
+    Q.quantize_and_write(strided, g, pages, pages * 0, *pool, 4, 4, 32)
+    assert seen["q"][0] == key
+    Q.quantize_and_write(torch.randn(2, 3, 32, 64)[:, :2], g[:2], pages[:2], pages[:2] * 0, *pool, 4, 4, 32)
+    assert seen["q"][0] != key
