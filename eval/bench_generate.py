@@ -1315,8 +1315,10 @@ def plots(result: dict, out_path: str) -> list[str]:
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        # "-dirty" when the working tree differs from HEAD (the device tool runs a copy of the working tree on the
+        # checkout's last commit: without the flag its rows would name a commit they did not run)
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                              text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except Exception:  # noqa: BLE001
         return None
 
