@@ -1317,8 +1317,9 @@ def git_commit() -> str | None:
     try:
         # "-dirty" when the working tree differs from HEAD (the device tool runs a copy of the working tree on the
         # checkout's last commit: without the flag its rows would name a commit they did not run)
+        here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
-                              text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+                              text=True, timeout=10, cwd=here).stdout.strip() or None
     except Exception:  # noqa: BLE001
         return None
 

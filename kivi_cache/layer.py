@@ -198,9 +198,19 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if len(seqs) == self.batch_size and self._uniform():  # every window at once
             s, r = self.sinks[0], self.r_lens[0]
             c = self._flush_count(r, s)
-            self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c])  # quantized before the shift
+            old = self._dev
+            done = self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c])  # quantized before the shift
             self._window_drop(slice(None), s, r, c)
             self.r_lens = [r - c] * self.batch_size
+            width = len(self.tables[0])
+            if old is not None and done is not None and (done[1], old[0].shape[1]) in (("same", width),
+                                                                                        ("append", width - 1)):
+                # a decode step's flush: the device state follows without uploading it again: the quantized lengths
+                # grow by c, the block table keeps its pages or gains the column of pages just written
+                pages, change = done
+                bt = old[0] if change == "same" else torch.cat([old[0], pages[:, None]], dim=1)
+                self._dev = (bt, old[1].add_(c), self._uniform_lengths(r - c))
+                return
         else:
             items = []
             for i in seqs:
@@ -288,32 +298,43 @@ class QuantizedPagedLayer(CacheLayerMixin):
         """:meth:`_reserve` of one group for every sequence when all hold the same number of quantized tokens (the
         flush of a uniform batch: every decode step's flush): one page index and slot for all, new pages taken from
         the pool in one slice; the same page ids as the per-sequence loop (892 sequences: ~2 ms of Python per layer
-        and flush before, eval/host_probe.py). None (nothing done) where the tables differ in width."""
+        and flush before, eval/host_probe.py). Returns (pages, the slot, how the tables changed: "append" (a page each),
+        "same" or "cow" (a shared page replaced by a private copy)); None (nothing done) where the tables differ in
+        width."""
         p, pool, tables = self.cfg.page_size, self.pool, self.tables
         q0, b = self.q_lens[0], self.batch_size
         j, slot = divmod(q0, p)
         widths = {len(t) for t in tables}
+        change = "same"
         if widths == {j}:  # every sequence starts a page: allocate b, in pop order
             for t, page in zip(tables, pool.allocate_many(b), strict=True):
                 t.append(page)
+            change = "append"
         elif widths == {j + 1}:  # each writes into its page j: a private copy only where a page is shared
             rc = pool.refcount
             for t in tables:
                 if rc[t[j]] != 1:
                     t[j] = pool.copy_on_write(t[j])
+                    change = "cow"
         else:  # tables of different widths (not seen in practice): the per-sequence loop
             return None
         self.q_lens = [q0 + self.cfg.group_size] * b
-        return [t[j] for t in tables], [slot] * b
+        return [t[j] for t in tables], slot, change
 
-    def _quantize(self, k_groups, v_groups, pages: list, slots: list) -> None:
+    def _quantize(self, k_groups, v_groups, pages: list, slots) -> torch.Tensor:
+        """Quantize groups into (pages, slots); ``slots`` a list, or one int for all. Returns the pages on the device.
+        The caller updates or drops the cached device state."""
         cfg = self.cfg
+        pages_dev = self._upload(np.array(pages, dtype=np.int32))
+        if isinstance(slots, int) and slots <= self.res_k.shape[2]:  # one slot for all: a row of the constant table
+            slots_dev = self._uniform_lengths(slots)
+        else:
+            slots = [slots] * len(pages) if isinstance(slots, int) else slots
+            slots_dev = self._upload(np.array(slots, dtype=np.int32))
         ops.quantize_and_write(  # strided views of the window are fine (the kernels take strides): no copies
-            k_groups, v_groups,
-            self._upload(np.array(pages, dtype=np.int32)),
-            self._upload(np.array(slots, dtype=np.int32)),
+            k_groups, v_groups, pages_dev, slots_dev,
             *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
-        self._dev = None
+        return pages_dev
 
     def _write_groups(self, items) -> None:
         """Quantize and write ``(seq, keys [H, c, D], values [H, c, D])`` items (c multiple of G), one launch."""
@@ -329,15 +350,19 @@ class QuantizedPagedLayer(CacheLayerMixin):
             ks.append(kc.reshape(h, c // g, g, d).transpose(0, 1))
             vs.append(vc.reshape(h, c // g, g, d).transpose(0, 1))
         self._quantize(torch.cat(ks), torch.cat(vs), pages, slots)
+        self._dev = None
 
-    def _write_batch(self, kc, vc) -> None:
-        """Every sequence's next ``c`` tokens (keys/values ``[B, H, c, D]``, c multiple of G), one launch."""
+    def _write_batch(self, kc, vc):
+        """Every sequence's next ``c`` tokens (keys/values ``[B, H, c, D]``, c multiple of G), one launch. Drops the
+        cached device state; for a decode flush (one group each, same page index) returns the pages on the device
+        and how the tables changed (see :meth:`_reserve_one_group_each`) so the caller may rebuild it in place."""
         b, h, c, d = kc.shape
         g = self.cfg.group_size
+        self._dev = None
         fast = c == g and _all_equal(self.q_lens)  # a decode flush: one group each, same page index
-        pages_slots = self._reserve_one_group_each() if fast else None
-        if pages_slots is not None:
-            pages, slots = pages_slots
+        reserved = self._reserve_one_group_each() if fast else None
+        if reserved is not None:
+            pages, slots, change = reserved
         else:
             pages, slots = [], []
             self._reserve_pages((i, c) for i in range(b))
@@ -347,7 +372,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         def groups(x):  # [B, H, c, D] -> [B * c/G, H, G, D], sequence-major like pages/slots
             return x.reshape(b, h, c // g, g, d).transpose(1, 2).reshape(b * (c // g), h, g, d)
 
-        self._quantize(groups(kc), groups(vc), pages, slots)
+        pages_dev = self._quantize(groups(kc), groups(vc), pages, slots)
+        return None if reserved is None else (pages_dev, change)
 
     # -------------------------------------------------------------- attention
     def attend(self, step: PendingStep, query: torch.Tensor, attention_mask, scaling: float, sdpa_fn, module,

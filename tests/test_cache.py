@@ -252,6 +252,36 @@ def test_flush_fast_path_matches_the_per_sequence_loop(monkeypatch, shared):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_device_state_kept_through_decode_flushes_equals_a_fresh_upload(shared):
+    """A decode step's flush updates the cached block table, quantized and window lengths in place (a new page
+    column, lengths + G, a row of the constant length table) instead of uploading them again; at every step they
+    equal a fresh upload, also where beams share pages (copy-on-write forces the upload)."""
+    torch.manual_seed(0)
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, group_size=16, residual_length=16, page_size=48)
+    k = torch.randn(3, 2, 60, 32)
+    cache.update(k, k.flip(-1), 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    if shared:
+        cache.batch_repeat_interleave(2)
+    kept = 0
+    for _ in range(100):
+        cached = layer._device_state()
+        one = torch.randn(layer.batch_size, 2, 1, 32)
+        cache.update(one, -one, 0)
+        layer.commit(layer.pending)
+        kept += layer._dev is not None and layer._dev[0] is not None and layer._dev is not cached
+        now = layer._device_state()
+        layer._dev = None
+        fresh = layer._device_state()
+        for x, y in zip(now, fresh, strict=True):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        layer._dev = now  # continue from the kept state
+    # every step kept (and updated) the device state, except a flush that copied a shared page (tables changed)
+    assert kept == 100 if not shared else 90 <= kept < 100
+
+
 def test_padded_batch_under_inference_mode():
     """Inference-mode tensors have no version counter (the padding-flag memo keys on it): same tokens as no_grad."""
     model = tiny_qwen2()
