@@ -110,9 +110,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if table is None:
             if len(_LENGTH_ROWS) > 16:
                 _LENGTH_ROWS.clear()
-            rows = np.repeat(np.arange(cap + 1, dtype=np.int32)[:, None], self.batch_size, axis=1)
+            # rows padded to 16 bytes: every row's address has the same alignment (Triton specializes pointers
+            # on it: unpadded rows would compile a second decode kernel for the odd ones)
+            width = -(-self.batch_size // 4) * 4
+            rows = np.repeat(np.arange(cap + 1, dtype=np.int32)[:, None], width, axis=1)
             table = _LENGTH_ROWS[key] = self._upload(rows)
-        return table[r]
+        return table[r, :self.batch_size]
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without a stream sync. torch's blocking copy from pageable memory

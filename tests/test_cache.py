@@ -282,6 +282,22 @@ def test_device_state_kept_through_decode_flushes_equals_a_fresh_upload(shared):
     assert kept == 100 if not shared else 90 <= kept < 100
 
 
+def test_window_length_rows_are_views_with_one_alignment():
+    """The one-token step's window lengths are rows of a constant table shared by the layers: contiguous, equal to
+    r everywhere, never copied, and all at the same 16-byte alignment (one specialization of the decode kernel)."""
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, group_size=16, residual_length=16)
+    k = torch.randn(3, 2, 20, 32)
+    cache.update(k, k, 0)
+    cache.update(k, k, 1)
+    a, b = cache.layers
+    base = a._uniform_lengths(0).data_ptr()
+    for r in range(a.res_k.shape[2] + 1):
+        row = a._uniform_lengths(r)
+        assert row.shape == (3,) and row.is_contiguous() and torch.equal(row, torch.full((3,), r, dtype=torch.int32))
+        assert (row.data_ptr() - base) % 16 == 0
+        assert b._uniform_lengths(r).data_ptr() == row.data_ptr()  # shared by the layers
+
+
 def test_padded_batch_under_inference_mode():
     """Inference-mode tensors have no version counter (the padding-flag memo keys on it): same tokens as no_grad."""
     model = tiny_qwen2()
