@@ -6,12 +6,7 @@
 #   3. the static cache at eager's max batch (4k x 320) now that its pool is sized exactly, against eager, one run.
 # Logs and JSON go to $OUT. If 1 passes and "on" is faster, make FAST_LAUNCH default on (kernels/_util.py) and run
 # `bash eval/gpu_check.sh` with it.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-ln -sfn ../kernels kivi_cache/kernels
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
+. eval/device_env.sh
 KIVI_TEST_GPU=1 timeout 90 python -m pytest -q tests/test_gpu.py -k cached_launches > "$OUT/gpu_tests_launch.log" 2>&1
 echo "launcher test rc=$? $(tail -1 "$OUT/gpu_tests_launch.log")"
 for s in 0 1 0 1; do

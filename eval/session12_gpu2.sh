@@ -6,14 +6,7 @@
 #   2. the decode op's host time (two processes);
 #   3. host_decode_probe: fp16 vs kivi-int4 forward decode steps, alternating rounds;
 #   4. the eager batch-1 rows of bench_generate (fp16, kivi-int4, quanto-int4; 1k + 256 and 32k + 64; 3 repeats).
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-ln -sfn ../kernels kivi_cache/kernels
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
-export PYTHONPATH=$PWD:/tmp/site
-nvidia-smi --query-gpu=name --format=csv,noheader
+. eval/device_env.sh
 KIVI_TEST_GPU=1 timeout 120 python -m pytest -q tests/test_gpu.py \
     -k "cached_launches or inside_generate or synchronize or step_logits" > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? $(tail -1 "$OUT/gpu_tests.log")"

@@ -4,12 +4,7 @@
 #      and from pageable memory (KIVI_UPLOAD=pageable), alternating;
 #   2. the compiled batch-1 pair at 1k (fp16 StaticCache vs StaticQuantizedPagedCache, 2 repeats);
 #   3. the static cache at eager's max batch (4k x 320; eager measured in session12_check.sh), with what time is left.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-ln -sfn ../kernels kivi_cache/kernels
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
+. eval/device_env.sh
 for mode in pinned pageable pinned pageable; do
     KIVI_UPLOAD=$mode timeout 40 python eval/host_decode_probe.py --flush-probe 96 \
         --out "$OUT/flush_probe_$mode.$RANDOM.json" 2>&1 | tail -2 | sed "s/^/$mode /" | cut -c1-200

@@ -4,13 +4,7 @@
 #   1. GPU tests: the quantize kernel against the reference, the launcher, generate with the kernels;
 #   2. the flush probe once (flush steps against the others);
 #   3. the eager batch-1 rows again (fp16, kivi-int4, quanto-int4; 1k + 256, 32k + 64; 3 repeats).
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-ln -sfn ../kernels kivi_cache/kernels
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
+. eval/device_env.sh
 KIVI_TEST_GPU=1 timeout 100 python -m pytest -q tests/test_kernels.py -k "quant" > "$OUT/gpu_tests_quant.log" 2>&1
 echo "quant tests rc=$? $(tail -1 "$OUT/gpu_tests_quant.log")"
 KIVI_TEST_GPU=1 timeout 150 python -m pytest -q tests/test_gpu.py -k "cached_launches or inside_generate" \
