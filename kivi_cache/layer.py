@@ -44,6 +44,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def __init__(self, cfg: QuantConfig):
         super().__init__()
         self.cfg = cfg
+        self._bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         self.pool: PagePool | None = None
         self._clear_sequences()
 
@@ -59,6 +60,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.res_k = self.res_v = None
         self.pending: PendingStep | None = None
         self._dev = None  # cached (block_table, q_lens, r_lens) device tensors
+        self._length_rows = None  # this batch's rows of the shared window-length table (_uniform_lengths)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -104,18 +106,21 @@ class QuantizedPagedLayer(CacheLayerMixin):
         """``[B]`` int32 on the device, every entry ``r`` (0 <= r <= the window's capacity): a row of a constant
         table shared by the layers (a view: no copy or launch; the decode step's window length grows this way
         instead of by an in-place add, eval/NOTES.md session 12). Never written to."""
-        cap = self.res_k.shape[2]
-        key = (self.device, self.batch_size, cap)
-        table = _LENGTH_ROWS.get(key)
-        if table is None:
-            if len(_LENGTH_ROWS) > 16:
-                _LENGTH_ROWS.clear()
-            # rows padded to 16 bytes: every row's address has the same alignment (Triton specializes pointers
-            # on it: unpadded rows would compile a second decode kernel for the odd ones)
-            width = -(-self.batch_size // 4) * 4
-            rows = np.repeat(np.arange(cap + 1, dtype=np.int32)[:, None], width, axis=1)
-            table = _LENGTH_ROWS[key] = self._upload(rows)
-        return table[r, :self.batch_size]
+        rows = self._length_rows
+        if rows is None or rows[0].device != self.device or rows[0].shape[0] != self.batch_size:
+            cap = self.res_k.shape[2]
+            key = (self.device, self.batch_size, cap)
+            rows = _LENGTH_ROWS.get(key)
+            if rows is None:
+                if len(_LENGTH_ROWS) > 16:
+                    _LENGTH_ROWS.clear()
+                # rows padded to 16 bytes: every row's address has the same alignment (Triton specializes pointers
+                # on it: unpadded rows would compile a second decode kernel for the odd ones)
+                width = -(-self.batch_size // 4) * 4
+                table = self._upload(np.repeat(np.arange(cap + 1, dtype=np.int32)[:, None], width, axis=1))
+                rows = _LENGTH_ROWS[key] = [row[:self.batch_size] for row in table]  # views, made once
+            self._length_rows = rows
+        return rows[r]
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without a stream sync. torch's blocking copy from pageable memory
@@ -384,15 +389,14 @@ class QuantizedPagedLayer(CacheLayerMixin):
         """Attention for the step's queries ``[B, Hq, L, D]``; returns ``[B, L, Hq, D]``."""
         n = query.shape[2]
         valid = _valid_tokens(attention_mask, n, self.batch_size)
-        cfg = self.cfg
-        bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
+        bits = self._bits
         if n == 1:
             self.commit(step, valid)
             bt, ql, rl = self._device_state()
             out = ops.paged_decode_attention(
-                query[:, :, 0], bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
+                query.select(2, 0), bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
                 sm_scale=scaling, **bits)
-            return out[:, None]
+            return out.unsqueeze(1)
         if not any(self.q_lens) and not any(self.r_lens):
             # a prompt on an empty cache: plain full-precision attention over it
             mask = None if attention_mask is None else attention_mask[..., -n:]
