@@ -168,6 +168,7 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--op-only", action="store_true", help="only item 3 (no model; seconds)")
+    ap.add_argument("--no-profile", action="store_true", help="skip items 2 and 3 (the cProfile and the op alone)")
     ap.add_argument("--flush-probe", type=int, default=0, metavar="STEPS",
                     help="only kivi-int4: STEPS synced decode steps, each step's time, flush steps (a key group "
                          "quantized) against the others")
@@ -212,6 +213,11 @@ def main():
                 step_ms=statistics.median(x["step_ms_median"] for x in rows),
                 host_ms=statistics.median(x["host_ms_median"] for x in rows))
     print(json.dumps(res["summary"], indent=1), flush=True)
+    if args.no_profile:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     res["profile"] = {}
     for name, make in CACHES.items():
         prof = cProfile.Profile()

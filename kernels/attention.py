@@ -232,16 +232,19 @@ def _decode_split_kernel(
     kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
     rk_ptr, rv_ptr, rlen_ptr,
     m_ws, l_ws, o_ws,
+    nk_ptr, nv_ptr,
     qk_scale, Hkv, NS,
     s_qb, s_qh, s_btb,
     s_kcp, s_kch, s_ksp, s_ksh, s_ksg,
     s_vcp, s_vch, s_vsp, s_vsh,
     s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,
+    s_nkb, s_nkh, s_nvb, s_nvh,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
     PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (_pdl(): 0 off, 1 reduce overlaps, 2 also this kernel)
+    NEWKV: tl.constexpr = 0,  # the window's newest token (rlen - 1) is first written from nk/nv (the op's new_k/v)
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -446,6 +449,13 @@ def _decode_split_kernel(
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
         rv_b = rv_ptr + b64 * s_rvb + h * s_rvh
         offs_d = tl.arange(0, D)
+        if NEWKV:  # this program owns the window of (b, h): store the step's token, then read the window whole
+            if rlen > 0:
+                nk = tl.load(nk_ptr + b64 * s_nkb + h * s_nkh + offs_d)
+                nv = tl.load(nv_ptr + b64 * s_nvb + h * s_nvh + offs_d)
+                tl.store(rk_b + (rlen - 1) * s_rkt + offs_d, nk.to(rk_ptr.dtype.element_ty))
+                tl.store(rv_b + (rlen - 1) * s_rvt + offs_d, nv.to(rv_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the stores before any thread's window loads (one CTA: bar.sync orders them)
         q = tl.load(q_col + offs_d[:, None], mask=gmask[None, :], other=0.0).to(tl.float32).to(DT)
         for start in tl.range(0, rlen, BLOCK_R, num_stages=RSTAGES):
             tok = start + tl.arange(0, BLOCK_R)
@@ -659,7 +669,7 @@ class _DecodePlan:
     __slots__ = ("meta", "grid", "reduce_grid", "reduce_meta", "rows", "nsp1", "rkey", "final", "ints")
 
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
-                 value_bits, group_size, num_splits, force_half_dot, plain):
+                 value_bits, group_size, num_splits, force_half_dot, plain, newkv=False):
         bsz, hq, d = q.shape
         _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
         np_, hkv, p, _ = k_codes.shape
@@ -696,7 +706,8 @@ class _DecodePlan:
         ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
                                         _RESIDENT.get(rkey, RESIDENT_DEFAULT))
         pdl = _pdl(q.device)
-        self.meta = dict(meta, **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}))
+        self.meta = dict(meta, **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}),
+                         **({"NEWKV": 1} if newkv else {}))
         self.grid = (bsz * hkv, ns + 1)
         self.rows, self.nsp1, self.rkey = bsz * hq, ns + 1, rkey
         # the split kernel's integer arguments: fixed by the key (its strides, head counts, splits)
@@ -707,22 +718,43 @@ class _DecodePlan:
         self.final = interp or rkey in _RESIDENT  # else: planned again once the kernel's residency is known
 
 
+def _check_new_token(new_k, new_v, q, res_k, res_v):
+    """``new_k``/``new_v`` as ``[B, Hkv, D]`` views with a contiguous last dim; checked against q and the window."""
+    if new_v is None:
+        raise ValueError("new_k and new_v must be given together")
+    if new_k.dim() == 4:
+        new_k, new_v = new_k.select(2, 0), new_v.select(2, 0)
+    want = (q.shape[0], res_k.shape[1], q.shape[2])
+    if tuple(new_k.shape) != want or tuple(new_v.shape) != want:
+        raise ValueError(f"new_k/new_v must be [B, Hkv, D] = {list(want)} (or [B, Hkv, 1, D]); got "
+                         f"{list(new_k.shape)} and {list(new_v.shape)}")
+    if res_k.stride(-1) != 1 or res_v.stride(-1) != 1:
+        raise ValueError("with new_k/new_v the window (res_k/res_v) is written in place: its last dim must be "
+                         "contiguous")
+    return (new_k if new_k.stride(-1) == 1 else new_k.contiguous(),
+            new_v if new_v.stride(-1) == 1 else new_v.contiguous())
+
+
 def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
-              out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain):
+              out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v):
     return (out.stride(), q.device, q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
             block_table.dtype, lengths.dtype, res_lengths.dtype, k_codes.shape, k_codes.stride(), k_codes.dtype,
             k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.stride(), k_zero.dtype, v_codes.shape,
             v_codes.stride(), v_scale.shape, v_scale.stride(), v_scale.dtype, v_scale.storage_offset() % 2,
             v_zero.stride(), v_zero.dtype, v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype,
             res_v.stride(), res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
-            _plan_env())
+            None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env())
 
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float, *, num_splits: int | None = None, out=None,
+                           sm_scale: float, *, num_splits: int | None = None, out=None, new_k=None, new_v=None,
                            _force_half_dot: bool = False, _plain: bool = False):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
+
+    ``new_k``/``new_v`` (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``): the step's own token, which the kernel writes into the
+    window at ``res_lengths[b] - 1`` (the lengths already count it) before attending (the cache's decode step then
+    needs no separate window writes).
 
     q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits``
     overrides the automatic context split (for tests/benchmarks); ``out``
@@ -733,6 +765,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if new_k is not None:
+        new_k, new_v = _check_new_token(new_k, new_v, q, res_k, res_v)
     if res_k.stride(-1) != 1:
         res_k = res_k.contiguous()
     if res_v.stride(-1) != 1:
@@ -749,11 +783,12 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     elif tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must be [B, Hq, D] in q's dtype with a contiguous last dimension")
     key = _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
-                    res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain)
+                    res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain, new_k,
+                    new_v)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
-                           value_bits, group_size, num_splits, _force_half_dot, _plain)
+                           value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None)
         if plan.final:
             if len(_PLANS) > 4096:  # shapes seen by a long-lived process: keep the cache bounded
                 _PLANS.clear()
@@ -770,7 +805,10 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     fast_key = key if plan.final else None
     kernel = _SPLIT(fast_key, plan.grid, (
         q, block_table, lengths, k_codes.view(torch.int32), k_scale, k_zero, v_codes.view(torch.int32), v_scale,
-        v_zero, res_k, res_v, res_lengths, ws_m, ws_l, ws_o, float(sm_scale) * LOG2E, *plan.ints), plan.meta)
+        v_zero, res_k, res_v, res_lengths, ws_m, ws_l, ws_o,
+        res_k if new_k is None else new_k, res_v if new_k is None else new_v, float(sm_scale) * LOG2E, *plan.ints,
+        *((0, 0, 0, 0) if new_k is None else (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1)))),
+        plan.meta)
     if not plan.final:
         _RESIDENT.setdefault(plan.rkey, _resident_of(kernel, q.device) or RESIDENT_DEFAULT)
     _REDUCE(fast_key, plan.reduce_grid, (ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq),

@@ -151,47 +151,58 @@ class QuantizedPagedLayer(CacheLayerMixin):
         shape = (b, h, self.seen, d)
         return KVHandle(step, 0, shape), KVHandle(step, 1, shape)
 
-    def commit(self, step: PendingStep, valid: torch.Tensor | None = None) -> None:
-        """Store the step's new tokens. ``valid`` ``[B, L]`` bool marks real (non-pad) tokens."""
+    def commit(self, step: PendingStep, valid: torch.Tensor | None = None, defer_write: bool = False) -> bool:
+        """Store the step's new tokens. ``valid`` ``[B, L]`` bool marks real (non-pad) tokens. ``defer_write``: a
+        one-token step may leave its window write to the decode op (``new_k``/``new_v``) when no group is flushed;
+        returns whether it did (the caller must then pass the step's key and value to the op)."""
         if step.done:
-            return
+            return False
         if step is not self.pending:
             raise RuntimeError("kivi_cache: a stale key/value handle was used after a later cache update")
         step.done = True
         self.pending = None
         k, v = step.key, step.value
         if valid is None and k.shape[2] == 1:
-            self._append_one(k, v)
-        else:
-            self._append_chunk(k, v, valid)
+            return self._append_one(k, v, defer_write)
+        self._append_chunk(k, v, valid)
+        return False
 
-    def _append_one(self, k, v) -> None:
+    def _append_one(self, k, v, defer_write: bool = False) -> bool:
         r = self.r_lens
         uniform = self._uniform()  # no padding so far: one window length and sink count for all
-        if uniform or _all_equal(r):  # narrow + copy_: half the host time of an indexed assignment
-            self.res_k.narrow(2, r[0], 1).copy_(k)
-            self.res_v.narrow(2, r[0], 1).copy_(v)
+        sink, limit, b = self.cfg.sink_length, self.cfg.residual_length + self.cfg.group_size, self.batch_size
+        if uniform:  # O(1) list updates
+            s0 = self.sinks[0] + 1 if self.sinks[0] < sink else self.sinks[0]  # the first tokens become sinks
+            new_r, new_s = [r[0] + 1] * b, [s0] * b
+            full = list(range(b)) if r[0] + 1 - s0 >= limit else []
+        else:
+            new_r = [x + 1 for x in r]
+            new_s = [x + 1 if x < sink else x for x in self.sinks]
+            full = [i for i, x in enumerate(new_r) if x - new_s[i] >= limit]
+        deferred = defer_write and not full  # a flush reads the window: then it is written here first
+        if not deferred:
+            self._window_write(k, v, uniform or _all_equal(r))
+        self.r_lens, self.sinks = new_r, new_s
+        if self._dev is not None:
+            if _all_equal(new_r):
+                self._dev = (*self._dev[:2], self._uniform_lengths(new_r[0]))
+            else:  # lengths that differ stayed different: an uploaded tensor of this layer, not a shared row
+                self._dev[2].add_(1)
+        if full:
+            self._flush_residual(full)
+        return deferred
+
+    def _window_write(self, k, v, equal: bool) -> None:
+        """Write a one-token step into every window at its current length (``equal``: one length for all)."""
+        if equal:  # narrow + copy_: half the host time of an indexed assignment
+            r = self.r_lens[0]
+            self.res_k.narrow(2, r, 1).copy_(k)
+            self.res_v.narrow(2, r, 1).copy_(v)
         else:
             rows = torch.arange(self.batch_size, device=self.device)
             idx = self._device_state()[2].long()
             self.res_k[rows, :, idx] = k[:, :, 0]
             self.res_v[rows, :, idx] = v[:, :, 0]
-        sink, limit, b = self.cfg.sink_length, self.cfg.residual_length + self.cfg.group_size, self.batch_size
-        if uniform:  # O(1) list updates
-            s0 = self.sinks[0] + 1 if self.sinks[0] < sink else self.sinks[0]  # the first tokens become sinks
-            self.r_lens, self.sinks = [r[0] + 1] * b, [s0] * b
-            full = list(range(b)) if r[0] + 1 - s0 >= limit else []
-        else:
-            self.r_lens = [x + 1 for x in r]
-            self.sinks = [x + 1 if x < sink else x for x in self.sinks]
-            full = [i for i, x in enumerate(self.r_lens) if x - self.sinks[i] >= limit]
-        if self._dev is not None:
-            if _all_equal(self.r_lens):
-                self._dev = (*self._dev[:2], self._uniform_lengths(self.r_lens[0]))
-            else:  # lengths that differ stayed different: an uploaded tensor of this layer, not a shared row
-                self._dev[2].add_(1)
-        if full:
-            self._flush_residual(full)
 
     def _uniform(self) -> bool:
         """Every sequence has the same window and sink lengths (no padding so far): bulk tensor ops apply."""
@@ -391,11 +402,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
         valid = _valid_tokens(attention_mask, n, self.batch_size)
         bits = self._bits
         if n == 1:
-            self.commit(step, valid)
+            deferred = self.commit(step, valid, defer_write=FUSE_WINDOW_WRITE)
             bt, ql, rl = self._device_state()
+            new = dict(new_k=step.key, new_v=step.value) if deferred else _NO_NEW
             out = ops.paged_decode_attention(
                 query.select(2, 0), bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
-                sm_scale=scaling, **bits)
+                sm_scale=scaling, **bits, **new)
             return out.unsqueeze(1)
         if not any(self.q_lens) and not any(self.r_lens):
             # a prompt on an empty cache: plain full-precision attention over it
@@ -589,6 +601,10 @@ def query_len(query_length) -> int:
     return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
 
 
+# A one-token step's window write done by the decode op itself (its new_k/new_v), not by two copies: opt-in until
+# measured on a GPU (KIVI_DECODE_FUSE_WRITE=1; eval/NOTES.md session 12)
+FUSE_WINDOW_WRITE = os.environ.get("KIVI_DECODE_FUSE_WRITE", "0") == "1"
+_NO_NEW: dict = {}
 _UPLOAD = os.environ.get("KIVI_UPLOAD", "pinned")  # how host arrays reach the GPU: "pinned" or "pageable"
 _LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> [capacity + 1, batch] int32, row r all r
 

@@ -99,9 +99,11 @@ def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_si
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
-                           group_size, sm_scale):
+                           group_size, sm_scale, new_k=None, new_v=None):
+    """``new_k``/``new_v``: the step's token, written into the window (at ``res_lengths - 1``) by the op itself."""
+    extra = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
     return _call("paged_decode_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
-                 res_lengths, key_bits, value_bits, group_size, sm_scale)
+                 res_lengths, key_bits, value_bits, group_size, sm_scale, **extra)
 
 
 def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,

@@ -137,13 +137,22 @@ def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float):
+                           sm_scale: float, new_k=None, new_v=None):
     """One query token per sequence over its quantized pages and residual window.
 
     q: ``[B, Hq, D]``; res_k/res_v: ``[B, Hkv, C, D]`` full precision with
     ``res_lengths[b]`` valid tokens; lengths: quantized tokens per sequence.
+    ``new_k``/``new_v`` (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``, optional): the step's own token, written into the
+    window at ``res_lengths[b] - 1`` (in place; the lengths already count it) before attending.
     Returns ``[B, Hq, D]`` in q's dtype.
     """
+    if new_k is not None:
+        if new_k.dim() == 4:
+            new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
+        rows = (res_lengths > 0).nonzero().squeeze(-1)
+        last = res_lengths.long()[rows] - 1
+        res_k[rows, :, last] = new_k[rows].to(res_k.dtype)
+        res_v[rows, :, last] = new_v[rows].to(res_v.dtype)
     k, v, valid = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     out = _attend(q[:, :, None], k, v, valid[:, None], sm_scale)

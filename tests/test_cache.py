@@ -101,6 +101,46 @@ def test_residual_window_invariant_over_many_steps():
     del ids
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, padded):
+    """KIVI_DECODE_FUSE_WRITE: a one-token step without a flush leaves its window write to the decode op (new_k/new_v);
+    a flush step writes first (the flush reads the window). Same logits and stored state as the two copies; every
+    non-flush step deferred."""
+    from kivi_cache import layer as L
+
+    model = tiny_qwen2(layers=1)
+    ids = torch.randint(0, 128, (2, 90))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0  # windows of different lengths: the indexed write path
+
+    def run(fuse):
+        monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)
+        seen = []
+        real = L.ops.paged_decode_attention
+
+        def spy(*a, **kw):
+            seen.append("new_k" in kw)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(L.ops, "paged_decode_attention", spy)
+        cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+        with torch.no_grad():
+            out = [model(ids[:, :10], attention_mask=mask[:, :10], **cache_kwargs(model, cache)).logits]
+            for t in range(10, ids.shape[1]):
+                out.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **cache_kwargs(model, cache)).logits)
+        monkeypatch.undo()
+        return torch.cat(out, 1), cache.layers[0], seen
+
+    a, la, seen_a = run(False)
+    b, lb, seen_b = run(True)
+    assert torch.equal(a, b)
+    assert torch.equal(la.res_k, lb.res_k) and torch.equal(la.res_v, lb.res_v) and la.r_lens == lb.r_lens
+    assert not any(seen_a)
+    flushes = sum(1 for x in seen_b if not x)
+    assert 0 < flushes < len(seen_b) // 4 and len(seen_b) == 80  # deferred everywhere but at the flushes
+
+
 @pytest.mark.parametrize("attn", ["eager", "kivi"])
 def test_other_attention_implementations_stay_correct(attn):
     model = tiny_llama(attn=attn)

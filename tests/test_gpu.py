@@ -246,3 +246,27 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
     slow2 = call(*calls[0])
     monkeypatch.setattr(U, "FAST_LAUNCH", True)
     assert torch.equal(call(*calls[0]), slow2) and torch.equal(call(*calls[0]), slow2)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, padded):
+    """KIVI_DECODE_FUSE_WRITE (opt-in): the split kernel's window program stores the step's token before reading the
+    window; the step logits and the stored windows equal those of the two torch copies, bit for bit."""
+    from kivi_cache import layer as L
+
+    model = tiny_llama_d64().to("cuda", torch.float16)
+    ids = torch.randint(0, 128, (3, 150), device="cuda")
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :5] = 0
+    runs = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)
+        cache = QuantizedPagedCache(key_bits=4, value_bits=4, **dict(SMALL, page_size=64))
+        with torch.no_grad():
+            model(ids[:, :50], attention_mask=mask[:, :50], **cache_kwargs(model, cache))
+            logits = torch.cat([model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
+                                      **cache_kwargs(model, cache)).logits for t in range(50, 150)], 1)
+        runs[fuse] = (logits, cache.layers[0].res_k.clone(), cache.layers[1].res_v.clone())
+    for x, y in zip(runs[False], runs[True], strict=True):
+        assert torch.equal(x, y)

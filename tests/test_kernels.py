@@ -427,3 +427,36 @@ def test_decode_plans_are_reused_per_shape_and_setting(monkeypatch):
     monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "128")
     run(4, torch.float32, 4)
     assert len(A._PLANS) == 4
+
+
+# ----------------------------------------------------------------------------- decode writes the step's token
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("grp,four_d", [(4, False), (1, True)])
+def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, four_d):
+    """new_k/new_v: the op stores the step's token at res_lengths - 1 (lengths already count it; a sequence with an
+    empty window is left alone) and attends to it: the same output and window as writing it first, kernel and
+    reference alike; the token never reaches other slots."""
+    bsz, hkv, d, p, g = 3, 2, 64, 64, 32
+    args = list(decode_case(bsz, hkv, grp, d, p, g, 4, 4, dtype, [70, 130, 32], [5, 0, 37], c=48))
+    q, res_k, res_v, rl = args[0], args[9], args[10], args[11]
+    new_k = torch.randn(bsz, hkv, d, device=DEV).to(dtype)
+    new_v = torch.randn(bsz, hkv, d, device=DEV).to(dtype)
+    want_k, want_v = res_k.clone(), res_v.clone()
+    for b in range(bsz):
+        if rl[b] > 0:
+            want_k[b, :, rl[b] - 1] = new_k[b]
+            want_v[b, :, rl[b] - 1] = new_v[b]
+    ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
+    nk, nv = (new_k[:, :, None], new_v[:, :, None]) if four_d else (new_k, new_v)
+    for impl in (K, R):
+        rk, rv = res_k.clone(), res_v.clone()
+        out = impl.paged_decode_attention(*args[:9], rk, rv, *args[11:], new_k=nk, new_v=nv)
+        assert torch.equal(rk, want_k) and torch.equal(rv, want_v), impl.__name__
+        err = rel_err(out, ref, f"decode new_k {impl.__name__} {dtype}")
+        assert err < TOL[dtype], err
+    with pytest.raises(ValueError, match="new_k/new_v must be"):
+        K.paged_decode_attention(*args[:9], res_k, res_v, *args[11:], new_k=new_k[:, :1], new_v=new_v[:, :1])
+    with pytest.raises(ValueError, match="together"):
+        K.paged_decode_attention(*args[:9], res_k, res_v, *args[11:], new_k=new_k)
+    assert q.shape == (bsz, hkv * grp, d)
