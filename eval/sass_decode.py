@@ -17,6 +17,7 @@ kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending de
 """
 
 import collections
+import inspect
 import json
 import os
 import re
@@ -35,11 +36,15 @@ from kivi_cache.kernels import attention  # noqa: E402
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32", "ks_ptr": "*fp16",
         "kz_ptr": "*fp16", "vw_ptr": "*i32", "vs_ptr": "*fp16", "vz_ptr": "*fp16", "rk_ptr": "*fp16",
-        "rv_ptr": "*fp16", "rlen_ptr": "*i32", "m_ws": "*fp32", "l_ws": "*fp32", "o_ws": "*fp32"}
+        "rv_ptr": "*fp16", "rlen_ptr": "*i32", "m_ws": "*fp32", "l_ws": "*fp32", "o_ws": "*fp32", "nk_ptr": "*fp16",
+        "nv_ptr": "*fp16", "out_ptr": "*fp16", "cnt_ptr": "*i32"}
 
 
 def compile_kernel(const, warps, stages, maxnreg):
     fn = attention._decode_split_kernel
+    # constexpr parameters with defaults (PDL, NEWKV, MERGE, ...) keep them unless given
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+             **const}
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in PTRS:
@@ -54,7 +59,7 @@ def compile_kernel(const, warps, stages, maxnreg):
             if n.startswith("s_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     if const.get("BF16"):
-        for n in ("q_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "rk_ptr", "rv_ptr"):
+        for n in ("q_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "rk_ptr", "rv_ptr", "nk_ptr", "nv_ptr", "out_ptr"):
             sig[n] = "*bf16"
     opts = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
@@ -135,7 +140,9 @@ def main():
                           shared=smem, loop_waits=waits, spills_total=total,
                           loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
                           hmma=sum(v for k, v in c.items() if k.startswith("HMMA")),
-                          griddepcontrol=k.asm["ptx"].count("griddepcontrol."))))
+                          griddepcontrol=k.asm["ptx"].count("griddepcontrol."),
+                          atom_acq_rel_gpu=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", k.asm["ptx"])),
+                          ld_cg=len(re.findall(r"ld\.global\.cg", k.asm["ptx"])))))
 
 
 def reduce_main():

@@ -232,19 +232,22 @@ def _decode_split_kernel(
     kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
     rk_ptr, rv_ptr, rlen_ptr,
     m_ws, l_ws, o_ws,
-    nk_ptr, nv_ptr,
+    nk_ptr, nv_ptr, out_ptr, cnt_ptr,
     qk_scale, Hkv, NS,
     s_qb, s_qh, s_btb,
     s_kcp, s_kch, s_ksp, s_ksh, s_ksg,
     s_vcp, s_vch, s_vsp, s_vsh,
     s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,
-    s_nkb, s_nkh, s_nvb, s_nvh,
+    s_nkb, s_nkh, s_nvb, s_nvh, s_ob, s_oh,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
     PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (_pdl(): 0 off, 1 reduce overlaps, 2 also this kernel)
     NEWKV: tl.constexpr = 0,  # the window's newest token (rlen - 1) is first written from nk/nv (the op's new_k/v)
+    MERGE: tl.constexpr = 0,  # the last program of a (sequence, KV head) merges the partials into out (no 2nd kernel)
+    BM: tl.constexpr = 1,  # MERGE: next power of two of NS + 1
+    BSM: tl.constexpr = 1,  # MERGE: partials per merge step
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -478,6 +481,42 @@ def _decode_split_kernel(
     for gi in tl.static_range(NW):
         acc = _acc_get(gi, a0, a1, a2, a3, a4, a5, a6, a7)
         tl.store(o_ws + ws[None, :] * D + (gi * W + offs_c)[:, None], acc, mask=gmask[None, :])
+    if MERGE:
+        # every thread's partial stores before the arrival count (bar.sync, then a gpu-scope release); the last of
+        # the pair's NS + 1 programs to arrive (acquire) merges them, reading through L2 (.cg), and resets the count
+        tl.debug_barrier()
+        prev = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if prev == NS:
+            _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, b64 * s_ob, s_oh, NS + 1, GP, D, BM, BSM)
+            tl.atomic_xchg(cnt_ptr + pid, 0)
+
+
+@triton.jit
+def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, GP: tl.constexpr, D: tl.constexpr,
+                BM: tl.constexpr, BSM: tl.constexpr):
+    """The split kernel's in-place merge (MERGE): rows ``row`` ``[GP]`` (query heads ``hq`` of one sequence and KV
+    head) from their ``NSP1`` (<= BM) partials, as :func:`_decode_reduce_kernel` does for one row."""
+    base = row * NSP1
+    offs_s = tl.arange(0, BM)
+    ok = gmask[:, None] & (offs_s[None, :] < NSP1)
+    m_all = tl.load(m_ws + base[:, None] + offs_s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_all = tl.load(l_ws + base[:, None] + offs_s[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_all, axis=1)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.sum(tl.exp2(m_all - m_safe[:, None]) * l_all, axis=1)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([GP, D], tl.float32)
+    for s0 in tl.static_range(0, BM, BSM):
+        so = s0 + tl.arange(0, BSM)
+        okc = gmask[:, None] & (so[None, :] < NSP1)
+        w = tl.exp2(tl.load(m_ws + base[:, None] + so[None, :], mask=okc, other=float("-inf"), cache_modifier=".cg")
+                    - m_safe[:, None])
+        o = tl.load(o_ws + ((base[:, None] + so[None, :]) * D)[:, :, None] + offs_d[None, None, :],
+                    mask=okc[:, :, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * o, axis=1)
+    res = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(out_ptr + out_off + hq[:, None] * s_oh + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None])
 
 
 @triton.jit
@@ -655,8 +694,9 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 # Environment settings a decode plan depends on (read once per call: a test may change them between calls).
 _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
              "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_PDL", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
-             "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN")
+             "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE")
 _plan_env = env_reader(_PLAN_ENV)
+MERGE_MAX = 16  # KIVI_DECODE_FUSE_MERGE: at most this many partials per (sequence, KV head) merged in the split kernel
 _PLANS: dict = {}  # plan key -> _DecodePlan; the 32 layers of a decode step share one (same shapes)
 _SPLIT = Launcher(_decode_split_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
@@ -666,7 +706,8 @@ class _DecodePlan:
     """What a decode call derives from shapes, strides, dtypes and settings alone (FlashInfer's plan/run split):
     checked once, then every call with the same key only allocates its workspace and launches."""
 
-    __slots__ = ("meta", "grid", "reduce_grid", "reduce_meta", "rows", "nsp1", "rkey", "final", "ints")
+    __slots__ = ("meta", "grid", "reduce_grid", "reduce_meta", "rows", "nsp1", "rkey", "final", "ints", "merge_meta",
+                 "pairs", "counters")
 
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                  value_bits, group_size, num_splits, force_half_dot, plain, newkv=False):
@@ -715,6 +756,13 @@ class _DecodePlan:
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, pdl)
+        # KIVI_DECODE_FUSE_MERGE=1 (opt-in until measured on a GPU): the split kernel merges its own partials where
+        # a pair has at most MERGE_MAX of them (one one-warp program merges them all: a short tail)
+        self.merge_meta = None
+        if os.environ.get("KIVI_DECODE_FUSE_MERGE") == "1" and self.nsp1 <= MERGE_MAX and not pdl:
+            bm = triton.next_power_of_2(self.nsp1)
+            self.merge_meta = dict(self.meta, MERGE=1, BM=bm, BSM=max(1, min(bm, 2048 // (gp * d))))
+        self.pairs, self.counters = bsz * hkv, {}  # MERGE: arrival counts per stream, zero between calls
         self.final = interp or rkey in _RESIDENT  # else: planned again once the kernel's residency is known
 
 
@@ -761,7 +809,9 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     (``[B, Hq, D]``, q's dtype, last dim contiguous) is written in place if given.
     ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX unpack) are for tests and
     benchmarks. Everything that depends only on shapes and settings is planned once per key
-    (:class:`_DecodePlan`); a call then allocates one workspace and makes two launches.
+    (:class:`_DecodePlan`); a call then allocates one workspace and makes two launches (one with
+    ``KIVI_DECODE_FUSE_MERGE=1`` where a (sequence, KV head) has at most ``MERGE_MAX`` partials: the split kernel's
+    last program of each merges them; not while a CUDA graph is being captured).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -802,17 +852,26 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     ws_o = ws[:rows * nsp1 * d].view(rows, nsp1, d)
     ws_m = ws[rows * nsp1 * d:rows * nsp1 * d + rows * nsp1].view(rows, nsp1)
     ws_l = ws[rows * nsp1 * d + pad:rows * nsp1 * d + pad + rows * nsp1].view(rows, nsp1)
-    fast_key = key if plan.final else None
+    merge = plan.merge_meta is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    cnt = res_lengths  # a placeholder pointer unless merging
+    if merge:  # the arrival counts of this stream (a kernel leaves them at zero)
+        stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.is_cuda else 0
+        cnt = plan.counters.get(stream)
+        if cnt is None:
+            cnt = plan.counters[stream] = torch.zeros(plan.pairs, dtype=torch.int32, device=q.device)
+    fast_key = (key, merge) if plan.final else None
     kernel = _SPLIT(fast_key, plan.grid, (
         q, block_table, lengths, k_codes.view(torch.int32), k_scale, k_zero, v_codes.view(torch.int32), v_scale,
         v_zero, res_k, res_v, res_lengths, ws_m, ws_l, ws_o,
-        res_k if new_k is None else new_k, res_v if new_k is None else new_v, float(sm_scale) * LOG2E, *plan.ints,
-        *((0, 0, 0, 0) if new_k is None else (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1)))),
-        plan.meta)
+        res_k if new_k is None else new_k, res_v if new_k is None else new_v, out, cnt, float(sm_scale) * LOG2E,
+        *plan.ints,
+        *((0, 0, 0, 0) if new_k is None else (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))),
+        out.stride(0), out.stride(1)), plan.merge_meta if merge else plan.meta)
     if not plan.final:
         _RESIDENT.setdefault(plan.rkey, _resident_of(kernel, q.device) or RESIDENT_DEFAULT)
-    _REDUCE(fast_key, plan.reduce_grid, (ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq),
-            plan.reduce_meta)
+    if not merge:
+        _REDUCE(fast_key, plan.reduce_grid, (ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq),
+                plan.reduce_meta)
     return out
 
 

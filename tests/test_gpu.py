@@ -270,3 +270,27 @@ def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, 
         runs[fuse] = (logits, cache.layers[0].res_k.clone(), cache.layers[1].res_v.clone())
     for x, y in zip(runs[False], runs[True], strict=True):
         assert torch.equal(x, y)
+
+
+def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
+    """KIVI_DECODE_FUSE_MERGE=1 on the GPU (memory ordering: arrival counts with acq_rel atomics, partials read
+    through L2): many calls in a row, every (sequence, KV head) with 2..16 partials, against the two-kernel path."""
+    from kivi_cache.kernels import attention as A
+
+    bk = _bench_kernels()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dev = torch.device("cuda")
+    for b, hkv, ctx, splits in ((1, 8, 1024, 3), (4, 8, 4096, 15), (8, 2, 2048, 1), (3, 4, 3008, 7)):
+        pool = bk.make_pool(b, hkv, ctx, 128, 64, 32, 4, 4, dev, gen)
+        q = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
+        rk = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
+        rv = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
+        rl = torch.randint(0, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
+        args = bk.decode_args(pool, q, rk, rv, rl, 4, 4, 32, 0.088)
+        two = A.paged_decode_attention(*args, num_splits=splits)
+        monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
+        for _ in range(20):
+            one = A.paged_decode_attention(*args, num_splits=splits)
+            err = ((one.float() - two.float()).norm() / two.float().norm()).item()
+            assert err < 1e-3, (b, hkv, ctx, splits, err)
+        monkeypatch.delenv("KIVI_DECODE_FUSE_MERGE")

@@ -460,3 +460,32 @@ def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, fo
     with pytest.raises(ValueError, match="together"):
         K.paged_decode_attention(*args[:9], res_k, res_v, *args[11:], new_k=new_k)
     assert q.shape == (bsz, hkv * grp, d)
+
+
+@pytest.mark.parametrize("grp,splits", [(1, 1), (3, 4), (8, 15), (4, 20)])
+def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
+    """KIVI_DECODE_FUSE_MERGE=1: the last program of each (sequence, KV head) merges the NS + 1 partials (up to
+    MERGE_MAX of them; beyond, the merge kernel as before); outputs match the two-kernel path and the reference, the
+    merge kernel is not launched, and the arrival counts are left at zero for the next call."""
+    from kivi_cache.kernels import attention as A
+
+    args = decode_case(3, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300, 0, 64], [7, 0, 130], c=160)
+    two = K.paged_decode_attention(*args, num_splits=splits)
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
+    launched = []
+    real = A._REDUCE
+    monkeypatch.setattr(A, "_REDUCE", lambda *a: launched.append(1) or real(*a))
+    for _ in range(2):  # the second call reuses the plan and its counts
+        out = torch.full_like(args[0], float("nan"))
+        K.paged_decode_attention(*args, num_splits=splits, out=out)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, two, f"fused merge g{grp} s{splits}") < 1e-5
+        assert rel_err(out, R.paged_decode_attention(*args), f"fused merge ref g{grp} s{splits}") < TOL[torch.float32]
+    fused = splits + 1 <= A.MERGE_MAX
+    assert len(launched) == (0 if fused else 2)
+    plans = [p for p in A._PLANS.values()
+             if p.merge_meta is not None and p.pairs == 6 and p.nsp1 == splits + 1 and p.meta["GROUP"] == grp]
+    assert bool(plans) == fused
+    for p in plans:
+        for cnt in p.counters.values():
+            assert not cnt.any()

@@ -52,6 +52,18 @@ def test_decode_kernel_builds_for_sm90(consts, budget):
     assert r["loop_waits"] and min(r["loop_waits"]) > 0, r["loop_waits"]
 
 
+def test_decode_kernel_with_the_new_token_write_and_the_merge_builds_for_sm90():
+    """The opt-in variants (NEWKV: the window program stores the step's token; MERGE: the last program of a pair merges
+    the partials) build for sm_90 with the paged loop as lean as without them, the arrival count as an acq_rel atomic
+    at gpu scope and the partials read through L2 (ld.global.cg)."""
+    base = sass()
+    r = sass("NEWKV=1", "MERGE=1", "BM=16", "BSM=4")
+    assert r["spills"] == 0 and r["hmma"] > 0
+    assert r["per_code"] <= base["per_code"] * 1.02, (r["per_code"], base["per_code"])
+    assert r["atom_acq_rel_gpu"] >= 1 and r["ld_cg"] >= 1, r
+    assert base["atom_acq_rel_gpu"] == 0 and base["ld_cg"] == 0
+
+
 def test_decode_kernel_three_stages_serialize_loads(monkeypatch):
     """The guard above can fail: with 3 stages the paged loop waits for all its copies every step."""
     monkeypatch.setenv("KIVI_DECODE_STAGES", "3")
