@@ -12,8 +12,10 @@
 #   2. host_decode_probe (synced decode steps at 1k, fp16 vs kivi-int4) with (FUSE_WRITE, FUSE_MERGE) = 00, 11, 10,
 #      01, 00, 11 in separate processes;
 #   3. the flush probe.
-# Then: if 1 passes and 11 is faster, time the kernels' GPU time with the merge (eval/ab_decode.py at batch 1,
-# 1k-4k contexts, where it applies) and make the faster settings the defaults (kivi_cache/layer.py
+# Then: if 1 passes and 11 is faster, time the op with the merge where it applies (batch 1, 1k-4k contexts; without
+# --graph, since the merge is off while a CUDA graph is captured):
+#   python eval/ab_decode.py --env merge:KIVI_DECODE_FUSE_MERGE=1 --shapes 1x8x1024,1x8x4096,1x32x2048 --bits 4/4/32
+# and make the faster settings the defaults (kivi_cache/layer.py
 # FUSE_WINDOW_WRITE; kernels/attention.py _DecodePlan merge_meta); then the eager batch-1 rows
 # (`--cases short,long --caches fp16,kivi-int4,quanto-int4 --repeats 3`, carry .whl).
 . eval/device_env.sh
