@@ -137,7 +137,7 @@ def flush_probe(model, ids, args, dev) -> None:
     """Per-step times of kivi-int4 decode steps (synced), split by whether the step flushed a key group."""
     decode(model, Int4PagedCache(), ids, 8, dev, wait=True)  # warm-up
     res = dict(args=vars(args), torch=torch.__version__, gpu=torch.cuda.get_device_name() if dev.type == "cuda"
-               else "cpu", upload=os.environ.get("KIVI_UPLOAD", "pinned"), runs=[])
+               else "cpu", runs=[])
     for _ in range(2):
         cache = Int4PagedCache()
         flushed = []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 12, third device call (run tool, kind nvidia-h200, timeout_s 600; ~9 minutes):
 #   1. the flush steps' host cost (eval/host_decode_probe.py --flush-probe), uploads through pinned memory (default)
-#      and from pageable memory (KIVI_UPLOAD=pageable), alternating;
+#      and from pageable memory (KIVI_UPLOAD=pageable, an experiment knob removed after this run), alternating;
 #   2. the compiled batch-1 pair at 1k (fp16 StaticCache vs StaticQuantizedPagedCache, 2 repeats);
 #   3. the static cache at eager's max batch (4k x 320; eager measured in session12_check.sh), with what time is left.
 . eval/device_env.sh

@@ -130,8 +130,6 @@ class QuantizedPagedLayer(CacheLayerMixin):
         t = torch.from_numpy(a)
         if self.device.type != "cuda":
             return t.to(self.device)
-        if _UPLOAD == "pageable":  # experiment (eval/host_decode_probe.py --flush-probe): no pinned staging
-            return t.to(self.device, non_blocking=True)
         return t.pin_memory().to(self.device, non_blocking=True)
 
     # ----------------------------------------------------------------- update
@@ -605,7 +603,6 @@ def query_len(query_length) -> int:
 # measured on a GPU (KIVI_DECODE_FUSE_WRITE=1; eval/NOTES.md session 12)
 FUSE_WINDOW_WRITE = os.environ.get("KIVI_DECODE_FUSE_WRITE", "0") == "1"
 _NO_NEW: dict = {}
-_UPLOAD = os.environ.get("KIVI_UPLOAD", "pinned")  # how host arrays reach the GPU: "pinned" or "pageable"
 _LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> [capacity + 1, batch] int32, row r all r
 
 _LAST_VALID: list = [None, None, None]  # (weakref to the mask, key, result) of the last call
