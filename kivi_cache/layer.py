@@ -107,7 +107,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         table shared by the layers (a view: no copy or launch; the decode step's window length grows this way
         instead of by an in-place add, eval/NOTES.md session 12). Never written to."""
         rows = self._length_rows
-        if rows is None or rows[0].device != self.device or rows[0].shape[0] != self.batch_size:
+        if rows is None:  # dropped whenever the batch changes (_clear_sequences, _select)
             cap = self.res_k.shape[2]
             key = (self.device, self.batch_size, cap)
             rows = _LENGTH_ROWS.get(key)
@@ -343,7 +343,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         The caller updates or drops the cached device state."""
         cfg = self.cfg
         pages_dev = self._upload(np.array(pages, dtype=np.int32))
-        if isinstance(slots, int) and slots <= self.res_k.shape[2]:  # one slot for all: a row of the constant table
+        if isinstance(slots, int) and slots <= self.res_k.shape[2] and len(pages) == self.batch_size:
+            # one slot for every sequence: a row of the constant table
             slots_dev = self._uniform_lengths(slots)
         else:
             slots = [slots] * len(pages) if isinstance(slots, int) else slots
@@ -493,6 +494,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.res_k = self.res_k.index_select(0, rows)
         self.res_v = self.res_v.index_select(0, rows)
         self.batch_size = len(index)
+        self._length_rows = None
         self._dev = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -603,7 +605,7 @@ def query_len(query_length) -> int:
 # measured on a GPU (KIVI_DECODE_FUSE_WRITE=1; eval/NOTES.md session 12)
 FUSE_WINDOW_WRITE = os.environ.get("KIVI_DECODE_FUSE_WRITE", "0") == "1"
 _NO_NEW: dict = {}
-_LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> [capacity + 1, batch] int32, row r all r
+_LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> capacity + 1 views of [batch] int32, row r all r
 
 _LAST_VALID: list = [None, None, None]  # (weakref to the mask, key, result) of the last call
 
