@@ -11,6 +11,7 @@ Python and launch costs decide its step time. This probe, on the GPU, with bench
    same fp16 history.
 
     python eval/host_decode_probe.py [--model llama3-8b] [--prompt 1024] [--steps 48] [--rounds 3] --out F.json
+    python eval/host_decode_probe.py --variants fp16,kivi:000,kivi:111 --rounds 8 --out F.json  (A/B in one process)
 CPU smoke run: ``--device cpu --model tiny`` (TRITON_INTERPRET=1: the kernel calls are the interpreter's).
 """
 
@@ -71,6 +72,50 @@ def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None, on_step=None
             prof.disable()
         sync(dev)
     return step_s, host_s
+
+
+def set_variant(flags: str) -> None:
+    """``flags``: three 0/1 digits, (window write in the op, in-kernel merge, decode runner), set in this process
+    (what KIVI_DECODE_FUSE_WRITE, KIVI_DECODE_FUSE_MERGE and KIVI_DECODE_RUNNER set at start-up)."""
+    import kivi_cache.layer as L  # noqa: PLC0415
+
+    if len(flags) != 3 or set(flags) - {"0", "1"}:
+        raise ValueError(f"variant flags must be three 0/1 digits (write, merge, runner); got {flags!r}")
+    L.FUSE_WINDOW_WRITE = flags[0] == "1"
+    os.environ["KIVI_DECODE_FUSE_MERGE"] = flags[1]
+    L.DECODE_RUNNER = flags[2] == "1"
+
+
+def variants_ab(model, ids, args, dev) -> None:
+    """In one process, rounds of no-sync decode steps (as generate runs them) of each variant in turn, the order
+    reversed every other round: variants ``fp16`` or ``kivi:WMR`` (see :func:`set_variant`). Per variant: the median
+    over rounds of each round's median step, and per round the ratio to fp16 of the same round."""
+    names = args.variants.split(",")
+    res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
+               gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rounds=[])
+
+    def make(name):
+        if name == "fp16":
+            return DynamicCache()
+        set_variant(name.split(":")[1])
+        return Int4PagedCache()
+
+    for name in names:  # warm-up: every variant's kernels compiled
+        decode(model, make(name), ids, 4, dev, wait=True)
+    for r in range(args.rounds):
+        row = {}
+        for name in (names if r % 2 == 0 else names[::-1]):
+            step_s, _ = decode(model, make(name), ids, args.steps, dev, wait=False)
+            row[name] = statistics.median(step_s) * 1e3
+        res["rounds"].append(row)
+        print(json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
+    res["summary"] = {n: dict(step_ms=statistics.median(x[n] for x in res["rounds"]),
+                              ratio_to_fp16=statistics.median(x[n] / x["fp16"] for x in res["rounds"])
+                              if "fp16" in names else None) for n in names}
+    print(json.dumps(res["summary"], indent=1), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 def package(filename: str) -> str:
@@ -172,6 +217,9 @@ def main():
     ap.add_argument("--flush-probe", type=int, default=0, metavar="STEPS",
                     help="only kivi-int4: STEPS synced decode steps, each step's time, flush steps (a key group "
                          "quantized) against the others")
+    ap.add_argument("--variants", default=None, metavar="LIST",
+                    help="comma-separated fp16 and kivi:WMR (0/1 digits: window write in the op, in-kernel merge, "
+                         "decode runner): no-sync step medians of each in turn, in one process")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -191,6 +239,9 @@ def main():
     ids = bg.prompt_ids(1, args.prompt, model.config.vocab_size, dev)
     if args.flush_probe:
         flush_probe(model, ids, args, dev)
+        return
+    if args.variants:
+        variants_ab(model, ids, args, dev)
         return
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
                gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rounds=[])

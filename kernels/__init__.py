@@ -23,11 +23,12 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-from .attention import paged_decode_attention, paged_prefix_attention  # noqa: E402
+from .attention import DecodeRunner, paged_decode_attention, paged_prefix_attention  # noqa: E402
 from .dequant import dequantize_pages  # noqa: E402
 from .quantize import quantize_and_write  # noqa: E402
 
 __all__ = [
+    "DecodeRunner",
     "available",
     "dequantize_pages",
     "paged_decode_attention",

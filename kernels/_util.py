@@ -95,7 +95,7 @@ class Launcher:
             ptrs = [args[i].data_ptr() for i in tensors]
             align = tuple([p % 16 == 0 for p in ptrs])
             hit = by_align.get(align)
-            if hit is not None and _no_launch_hooks():
+            if hit is not None and no_launch_hooks():
                 kernel, consts = hit
                 call = list(args)
                 for i, p in zip(tensors, ptrs, strict=True):
@@ -119,8 +119,19 @@ class Launcher:
             entry[1][align] = (kernel, consts)
         return kernel
 
+    def compiled(self, plan_key, args: tuple):
+        """The compiled kernel a fast launch of ``args`` under ``plan_key`` would use: ``(positions of the tensor
+        arguments, kernel, constexprs)``, or None when there is none yet (for callers that keep a launch ready,
+        :class:`~kivi_cache.kernels.attention.DecodeRunner`)."""
+        entry = self.kernels.get(plan_key)
+        if entry is None:
+            return None
+        tensors, by_align = entry
+        hit = by_align.get(tuple(args[i].data_ptr() % 16 == 0 for i in tensors))
+        return None if hit is None else (tensors, *hit)
 
-def _no_launch_hooks() -> bool:
+
+def no_launch_hooks() -> bool:
     """No launch hook is set (Triton 3.6+ keeps them as chains of callables, empty unless a profiler adds one)."""
     global _knobs
     if _knobs is None:

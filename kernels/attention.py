@@ -55,7 +55,18 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._util import Launcher, block_tokens, check_bits, check_group, check_head_dim, env_reader, interpreting, num_sms
+from . import _util
+from ._util import (
+    Launcher,
+    block_tokens,
+    check_bits,
+    check_group,
+    check_head_dim,
+    env_reader,
+    interpreting,
+    no_launch_hooks,
+    num_sms,
+)
 from .dequant import dequantize_pages
 from .unpack import (
     fold_pairs_asm,
@@ -794,6 +805,46 @@ def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scal
             None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env())
 
 
+def _workspace(plan: _DecodePlan, d: int, device):
+    """One fp32 workspace for a call: partial outputs first (16-byte aligned), then maxima and sums, each padded to
+    4 floats (so all three are 16-byte aligned)."""
+    rows, nsp1 = plan.rows, plan.nsp1
+    pad = -(-rows * nsp1 // 4) * 4
+    ws = torch.empty(rows * nsp1 * d + 2 * pad, dtype=torch.float32, device=device)
+    ws_o = ws[:rows * nsp1 * d].view(rows, nsp1, d)
+    ws_m = ws[rows * nsp1 * d:rows * nsp1 * d + rows * nsp1].view(rows, nsp1)
+    ws_l = ws[rows * nsp1 * d + pad:rows * nsp1 * d + pad + rows * nsp1].view(rows, nsp1)
+    return ws_m, ws_l, ws_o
+
+
+def _counts(plan: _DecodePlan, device):
+    """The merge's arrival counts for the current stream (a kernel leaves them at zero)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    cnt = plan.counters.get(stream)
+    if cnt is None:
+        cnt = plan.counters[stream] = torch.zeros(plan.pairs, dtype=torch.int32, device=device)
+    return cnt
+
+
+# positions in _split_args' tuple of the tensors that change from call to call (DecodeRunner fills them in)
+_A_Q, _A_RLEN, _A_WSM, _A_WSL, _A_WSO, _A_NK, _A_NV, _A_OUT, _A_CNT = 0, 11, 12, 13, 14, 15, 16, 17, 18
+
+
+def _split_args(plan, q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
+                res_lengths, ws_m, ws_l, ws_o, new_k, new_v, out, cnt, sm_scale) -> tuple:
+    """The split kernel's runtime arguments, in its parameter order."""
+    return (q, block_table, lengths, k_codes.view(torch.int32), k_scale, k_zero, v_codes.view(torch.int32), v_scale,
+            v_zero, res_k, res_v, res_lengths, ws_m, ws_l, ws_o,
+            res_k if new_k is None else new_k, res_v if new_k is None else new_v, out, cnt, float(sm_scale) * LOG2E,
+            *plan.ints,
+            *((0, 0, 0, 0) if new_k is None else (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))),
+            out.stride(0), out.stride(1))
+
+
+def _reduce_args(plan, ws_m, ws_l, ws_o, out, hq: int) -> tuple:
+    return (ws_m, ws_l, ws_o, out, plan.nsp1, out.stride(0), out.stride(1), hq)
+
+
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, num_splits: int | None = None, out=None, new_k=None, new_v=None,
@@ -845,35 +896,157 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             _PLANS[key] = plan
     if bsz == 0 or hq == 0:
         return out
-    rows, nsp1 = plan.rows, plan.nsp1
-    # one fp32 workspace: partial outputs first (16-byte aligned), then maxima and sums, each padded to 4 floats
-    pad = -(-rows * nsp1 // 4) * 4
-    ws = torch.empty(rows * nsp1 * d + 2 * pad, dtype=torch.float32, device=q.device)
-    ws_o = ws[:rows * nsp1 * d].view(rows, nsp1, d)
-    ws_m = ws[rows * nsp1 * d:rows * nsp1 * d + rows * nsp1].view(rows, nsp1)
-    ws_l = ws[rows * nsp1 * d + pad:rows * nsp1 * d + pad + rows * nsp1].view(rows, nsp1)
+    ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
     merge = plan.merge_meta is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
-    cnt = res_lengths  # a placeholder pointer unless merging
-    if merge:  # the arrival counts of this stream (a kernel leaves them at zero)
-        stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.is_cuda else 0
-        cnt = plan.counters.get(stream)
-        if cnt is None:
-            cnt = plan.counters[stream] = torch.zeros(plan.pairs, dtype=torch.int32, device=q.device)
+    cnt = _counts(plan, q.device) if merge else res_lengths  # res_lengths: a placeholder pointer unless merging
     fast_key = (key, merge) if plan.final else None
-    kernel = _SPLIT(fast_key, plan.grid, (
-        q, block_table, lengths, k_codes.view(torch.int32), k_scale, k_zero, v_codes.view(torch.int32), v_scale,
-        v_zero, res_k, res_v, res_lengths, ws_m, ws_l, ws_o,
-        res_k if new_k is None else new_k, res_v if new_k is None else new_v, out, cnt, float(sm_scale) * LOG2E,
-        *plan.ints,
-        *((0, 0, 0, 0) if new_k is None else (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))),
-        out.stride(0), out.stride(1)), plan.merge_meta if merge else plan.meta)
+    kernel = _SPLIT(fast_key, plan.grid, _split_args(
+        plan, q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
+        ws_m, ws_l, ws_o, new_k, new_v, out, cnt, sm_scale), plan.merge_meta if merge else plan.meta)
     if not plan.final:
         _RESIDENT.setdefault(plan.rkey, _resident_of(kernel, q.device) or RESIDENT_DEFAULT)
     if not merge:
-        _REDUCE(fast_key, plan.reduce_grid, (ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq),
-                plan.reduce_meta)
+        _REDUCE(fast_key, plan.reduce_grid, _reduce_args(plan, ws_m, ws_l, ws_o, out, hq), plan.reduce_meta)
     return out
 
+
+
+def _cuda_index(t: torch.Tensor) -> int:
+    """The CUDA device index of ``t``, -1 on the CPU."""
+    return t.get_device()
+
+
+class _Ready:
+    """What :class:`DecodeRunner` keeps from a first run to launch the same kernels again."""
+
+    __slots__ = ("qshape", "qstride", "dtype", "index", "stream", "scale", "env", "new", "nk", "nv", "rl_dtype",
+                 "align", "split", "reduce", "grid", "reduce_grid", "nfloats", "off_m", "off_l", "oshape", "keep")
+
+
+class DecodeRunner:
+    """The decode op split into plan and run (FlashInfer's style), for a caller that attends over the same pages
+    again and again: the cache's layer between two changes of its block table, i.e. every decode step but a flush.
+
+    Built for one block table, lengths, page pool and window (``res_k``/``res_v``); :meth:`run` takes what changes
+    per step: the queries, the window lengths, the softmax scale and optionally the step's token (``new_k``/
+    ``new_v``, as in :func:`paged_decode_attention`). The first run is an ordinary call of
+    :func:`paged_decode_attention` (it plans, compiles and checks everything). Later runs with the same shapes,
+    strides, dtypes, settings, stream and pointer alignment launch the compiled kernels directly with the first
+    run's argument list, only the changing pointers replaced: no plan key, no checks of the fixed tensors.
+    Otherwise (a CUDA graph being captured, a profiler's launch hook, the interpreter, ``KIVI_FAST_LAUNCH=0``, a
+    change) a run is the ordinary call. The fixed tensors may be written to, not replaced or resized: build a new
+    runner then (the cache does, whenever its block table or pool tensors change).
+    """
+
+    def __init__(self, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
+                 key_bits: int, value_bits: int, group_size: int):
+        self.fixed = (block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v)
+        self.bits = (key_bits, value_bits, group_size)
+        self._ready: _Ready | None = None
+        self.fast_runs = 0  # for tests
+
+    def run(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None):
+        """Attention of one query token per sequence, ``q`` ``[B, Hq, D]``; returns ``[B, Hq, D]``."""
+        r = self._ready
+        if r is not None:
+            out = self._launch(r, q, res_lengths, sm_scale, new_k, new_v)
+            if out is not None:
+                return out
+        bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
+        out = paged_decode_attention(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, res_lengths, *self.bits, sm_scale,
+                                     new_k=new_k, new_v=new_v)
+        self._ready = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out)
+        return out
+
+    def _launch(self, r: _Ready, q, rl, sm_scale, new_k, new_v):
+        """The direct launch, or None where the first run's kernels and arguments do not apply."""
+        if (q.shape != r.qshape or q.stride() != r.qstride or q.dtype != r.dtype or sm_scale != r.scale
+                or rl.dtype != r.rl_dtype or rl.stride(-1) != 1 or (new_k is None) != (r.new is None)):
+            return None
+        if new_k is not None and (new_v is None or new_k.shape != r.new or new_v.shape != r.new
+                                  or new_k.stride() != r.nk or new_v.stride() != r.nv or new_k.dtype != r.dtype
+                                  or new_v.dtype != r.dtype):
+            return None
+        if (torch.cuda.current_device() != r.index or _cuda_index(q) != r.index or _plan_env() != r.env
+                or torch.cuda.is_current_stream_capturing() or not no_launch_hooks()):
+            return None
+        stream = torch._C._cuda_getCurrentRawStream(r.index)
+        if stream != r.stream:
+            return None
+        qp, rp = q.data_ptr(), rl.data_ptr()
+        nkp, nvp = (new_k.data_ptr(), new_v.data_ptr()) if new_k is not None else (0, 0)
+        if (qp % 16 == 0, rp % 16 == 0, nkp % 16 == 0, nvp % 16 == 0) != r.align:
+            return None
+        out = torch.empty(r.oshape, dtype=r.dtype, device=q.device)
+        ws = torch.empty(r.nfloats, dtype=torch.float32, device=q.device)
+        wp, op = ws.data_ptr(), out.data_ptr()
+        kernel, call, consts = r.split
+        call[_A_Q], call[_A_RLEN], call[_A_OUT] = qp, rp, op
+        call[_A_WSO], call[_A_WSM], call[_A_WSL] = wp, wp + r.off_m, wp + r.off_l
+        if new_k is not None:
+            call[_A_NK], call[_A_NV] = nkp, nvp
+        g0, g1 = r.grid
+        kernel.run(g0, g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
+        if r.reduce is not None:
+            kernel, call, consts = r.reduce
+            call[0], call[1], call[2], call[3] = wp + r.off_m, wp + r.off_l, wp, op
+            g0, g1 = r.reduce_grid
+            kernel.run(g0, g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
+        self.fast_runs += 1
+        return out
+
+    def _prepare(self, q, rl, sm_scale, new_k, new_v, out) -> _Ready | None:
+        """After an ordinary run: the compiled kernels and argument lists it used, when a direct launch can repeat
+        it (else None: every run stays ordinary)."""
+        index = _cuda_index(q)
+        if not _util.FAST_LAUNCH or interpreting() or index < 0 or torch.cuda.is_current_stream_capturing():
+            return None
+        bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
+        nk3, nv3 = new_k, new_v
+        if new_k is not None and new_k.dim() == 4:
+            nk3, nv3 = new_k.select(2, 0), new_v.select(2, 0)
+        contiguous = (q, bt, ql, rk, rv, rl) + (() if new_k is None else (nk3, nv3))
+        if any(t.stride(-1) != 1 for t in contiguous) or index != torch.cuda.current_device():
+            return None  # the ordinary call made contiguous copies: nothing to repeat
+        key = _plan_key(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, out, *self.bits, None, False, False, nk3, nv3)
+        plan = _PLANS.get(key)
+        if plan is None or not plan.final or q.shape[0] == 0 or q.shape[1] == 0:
+            return None
+        merge = plan.merge_meta is not None
+        d = q.shape[2]
+        ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
+        cnt = _counts(plan, q.device) if merge else rl
+        args = _split_args(plan, q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, ws_m, ws_l, ws_o, nk3, nv3, out, cnt,
+                           sm_scale)
+        split = _SPLIT.compiled((key, merge), args)
+        rargs = _reduce_args(plan, ws_m, ws_l, ws_o, out, q.shape[1])
+        red = None if merge else _REDUCE.compiled((key, merge), rargs)
+        if split is None or (red is None and not merge):
+            return None
+        r = _Ready()
+        r.qshape, r.qstride, r.dtype, r.index = q.shape, q.stride(), q.dtype, index
+        r.stream = torch._C._cuda_getCurrentRawStream(r.index)
+        r.scale, r.env, r.rl_dtype, r.oshape = sm_scale, _plan_env(), rl.dtype, out.shape
+        r.new = None if new_k is None else new_k.shape
+        r.nk, r.nv = (None, None) if new_k is None else (new_k.stride(), new_v.stride())
+        nkp, nvp = (new_k.data_ptr(), new_v.data_ptr()) if new_k is not None else (0, 0)
+        r.align = (q.data_ptr() % 16 == 0, rl.data_ptr() % 16 == 0, nkp % 16 == 0, nvp % 16 == 0)
+        base = ws_o.data_ptr()
+        r.off_m, r.off_l = ws_m.data_ptr() - base, ws_l.data_ptr() - base
+        r.nfloats = ws_o.numel() + 2 * (r.off_l - r.off_m) // 4
+        r.keep = cnt  # the merge's counts: their address is in the argument list
+        r.grid, r.reduce_grid = plan.grid, plan.reduce_grid
+
+        def template(launch):
+            positions, kernel, consts = launch
+            call = [a for a in (args if launch is split else rargs)]
+            for i in positions:
+                call[i] = call[i].data_ptr()
+            return kernel, call, consts
+
+        r.split = template(split)
+        r.reduce = None if merge else template(red)
+        return r
 
 # ----------------------------------------------------------------------------- prefix
 

@@ -61,6 +61,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.pending: PendingStep | None = None
         self._dev = None  # cached (block_table, q_lens, r_lens) device tensors
         self._length_rows = None  # this batch's rows of the shared window-length table (_uniform_lengths)
+        if getattr(self, "pool", None) is not None:
+            self.pool.decode_runner = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -403,11 +405,19 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if n == 1:
             deferred = self.commit(step, valid, defer_write=FUSE_WINDOW_WRITE)
             bt, ql, rl = self._device_state()
-            new = dict(new_k=step.key, new_v=step.value) if deferred else _NO_NEW
-            out = ops.paged_decode_attention(
-                query.select(2, 0), bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
-                sm_scale=scaling, **bits, **new)
-            return out.unsqueeze(1)
+            if not DECODE_RUNNER:  # KIVI_DECODE_RUNNER=0: the op's ordinary call every step (for A/B runs)
+                new = dict(new_k=step.key, new_v=step.value) if deferred else {}
+                return ops.paged_decode_attention(query.select(2, 0), bt, ql, *self.pool.args(), res_k=self.res_k,
+                                                  res_v=self.res_v, res_lengths=rl, sm_scale=scaling, **bits,
+                                                  **new).unsqueeze(1)
+            pool = self.pool
+            run = pool.decode_runner  # plan once, run every step until the block table or window is replaced
+            if run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k:
+                run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k, res_v=self.res_v,
+                                                            **bits)
+            if deferred:
+                return run(query.select(2, 0), rl, scaling, step.key, step.value).unsqueeze(1)
+            return run(query.select(2, 0), rl, scaling).unsqueeze(1)
         if not any(self.q_lens) and not any(self.r_lens):
             # a prompt on an empty cache: plain full-precision attention over it
             mask = None if attention_mask is None else attention_mask[..., -n:]
@@ -496,6 +506,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.batch_size = len(index)
         self._length_rows = None
         self._dev = None
+        self.pool.decode_runner = None  # it holds the old window
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -604,7 +615,9 @@ def query_len(query_length) -> int:
 # A one-token step's window write done by the decode op itself (its new_k/new_v), not by two copies: opt-in until
 # measured on a GPU (KIVI_DECODE_FUSE_WRITE=1; eval/NOTES.md session 12)
 FUSE_WINDOW_WRITE = os.environ.get("KIVI_DECODE_FUSE_WRITE", "0") == "1"
-_NO_NEW: dict = {}
+# the decode op planned once per block table and run every step (ops.DecodeRunner: direct launches of the first call's
+# argument list); KIVI_DECODE_RUNNER=0: the op's ordinary call every step
+DECODE_RUNNER = os.environ.get("KIVI_DECODE_RUNNER", "1") != "0"
 _LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> capacity + 1 views of [batch] int32, row r all r
 
 _LAST_VALID: list = [None, None, None]  # (weakref to the mask, key, result) of the last call

@@ -110,3 +110,36 @@ def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_len
                            key_bits, value_bits, group_size, sm_scale):
     return _call("paged_prefix_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
                  res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale)
+
+
+class DecodeRunner:
+    """:func:`paged_decode_attention` over one fixed state (block table, lengths, page pool, window) called again and
+    again with new queries (plan once, run many: the cache's decode steps). The Triton kernels'
+    :class:`~kivi_cache.kernels.attention.DecodeRunner` where they run on the current device (it launches the
+    compiled kernels directly after a first ordinary call); otherwise, and for a configuration the kernels do not
+    cover, the ordinary op (with its fallback to the torch reference). Build a new one when the state's tensors are
+    replaced."""
+
+    def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size):
+        self.block_table, self.lengths, self.pool, self.res_k, self.res_v = block_table, lengths, pool, res_k, res_v
+        self.bits = dict(key_bits=key_bits, value_bits=value_bits, group_size=group_size)
+        dev = block_table.device
+        self.index = dev.index if dev.type == "cuda" else None
+        mod = _impl(dev.type)
+        self.kernel = None
+        if mod is not reference and self.index is not None:
+            self.kernel = mod.DecodeRunner(block_table, lengths, *pool, res_k, res_v, key_bits, value_bits,
+                                           group_size)
+
+    def __call__(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None):
+        k = self.kernel
+        if k is not None and torch.cuda.current_device() == self.index:
+            try:
+                return k.run(q, res_lengths, sm_scale, new_k, new_v)
+            except ValueError:  # a configuration the kernels do not cover: the ordinary op warns and falls back
+                if _backend == "triton":
+                    raise
+                self.kernel = None
+        new = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
+        return paged_decode_attention(q, self.block_table, self.lengths, *self.pool, res_k=self.res_k,
+                                      res_v=self.res_v, res_lengths=res_lengths, sm_scale=sm_scale, **self.bits, **new)

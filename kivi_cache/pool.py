@@ -23,6 +23,7 @@ class PagePool:
         self.dtype = dtype
         self.device = device
         self.capacity = 0
+        self.decode_runner = None  # the owning layer's ops.DecodeRunner over these tensors (dropped when they grow)
         self.refcount: list[int] = []
         self.free: list[int] = []
         self.tensors = {name: torch.zeros((0, *shape), dtype=dt, device=device)
@@ -46,6 +47,7 @@ class PagePool:
         if new_capacity <= self.capacity:
             return
         extra = new_capacity - self.capacity
+        self.decode_runner = None  # it holds the old tensors
         for name, (shape, dtype) in self._page_shapes().items():
             fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.device)
             self.tensors[name] = torch.cat([self.tensors[name], fresh])

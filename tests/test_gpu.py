@@ -294,3 +294,49 @@ def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
             err = ((one.float() - two.float()).norm() / two.float().norm()).item()
             assert err < 1e-3, (b, hkv, ctx, splits, err)
         monkeypatch.delenv("KIVI_DECODE_FUSE_MERGE")
+
+
+@pytest.mark.parametrize("merge", ["0", "1"])
+def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
+    """kernels.DecodeRunner (plan once, then direct launches with the first call's argument list, only the changing
+    pointers replaced) against the ordinary op, bit for bit: fresh queries, window lengths and new tokens every call,
+    with and without the step's token written by the kernel and the in-kernel merge; a change of settings, strides
+    or the token's presence goes through the ordinary call again."""
+    from kivi_cache.kernels import attention as A
+
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)
+    bk = _bench_kernels()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dev = torch.device("cuda")
+    for b, hkv, ctx in ((1, 8, 1024), (3, 4, 3008), (5, 2, 700)):
+        pool = bk.make_pool(b, hkv, ctx, 128, 64, 32, 4, 4, dev, gen)
+        q0 = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
+        rk = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
+        rv = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
+        rl0 = torch.randint(1, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
+        args = bk.decode_args(pool, q0, rk, rv, rl0, 4, 4, 32, 0.088)
+        fixed, bits = args[1:11], args[12:15]
+        for with_new in (False, True, False):
+            run = A.DecodeRunner(*fixed, *bits)
+            for i in range(8):
+                q = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
+                rl = torch.randint(1, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
+                new = {}
+                if with_new:
+                    nk = torch.randn(b, hkv, 1, 128, device=dev, generator=gen, dtype=torch.float16)
+                    new = dict(new_k=nk, new_v=torch.randn_like(nk))
+                got = run.run(q, rl, 0.088, **new)
+                want = A.paged_decode_attention(q, *fixed, rl, *bits, 0.088, **new)
+                assert torch.equal(got, want), (b, hkv, ctx, with_new, i)
+            assert run.fast_runs == 7, (b, hkv, ctx, with_new, run.fast_runs)  # every call after the first
+            qt = torch.randn(b, 128, 32, device=dev, generator=gen, dtype=torch.float16).transpose(1, 2)  # strides
+            assert torch.equal(run.run(qt, rl, 0.088, **new), A.paged_decode_attention(qt, *fixed, rl, *bits, 0.088,
+                                                                                        **new))
+            assert run.fast_runs == 7
+        monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "512")  # a plan setting: the ordinary call again, then direct
+        run = A.DecodeRunner(*fixed, *bits)
+        for _ in range(3):
+            assert torch.equal(run.run(q, rl, 0.088), A.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
+        monkeypatch.delenv("KIVI_DECODE_SPLIT_MIN")
+        assert torch.equal(run.run(q, rl, 0.088), A.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
+        assert run.fast_runs == 2

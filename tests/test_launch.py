@@ -178,3 +178,71 @@ def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypa
     assert seen["q"][0] == key
     Q.quantize_and_write(torch.randn(2, 3, 32, 64)[:, :2], g[:2], pages[:2], pages[:2] * 0, *pool, 4, 4, 32)
     assert seen["q"][0] != key
+
+
+@pytest.mark.parametrize("new", [False, True])
+def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(gpu_like, monkeypatch, new):
+    """kernels.DecodeRunner's direct launch (a template of the first call's arguments, the changing pointers
+    replaced) passes the split and merge kernels exactly what the op's own cached launch passes for the same call,
+    the fresh workspace and output aside; a changed query layout, window-length dtype or setting goes through the
+    ordinary call. On a GPU, tests/test_gpu.py::test_decode_runner_equals_the_op_call_for_call compares outputs."""
+    jits = {}
+    for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
+        jit = _JIT()
+        jit.params = [_Param(p.name, p.default) for p in inspect.signature(fn.fn).parameters.values()]
+        jits[name] = jit
+        monkeypatch.setattr(A, "_SPLIT" if name == "split" else "_REDUCE", U.Launcher(jit))
+    monkeypatch.setattr(A, "interpreting", lambda: False)
+    monkeypatch.setattr(A, "_cuda_index", lambda t: 0)
+    monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
+    monkeypatch.setattr(A, "_PLANS", {})
+    monkeypatch.setattr(A, "_RESIDENT", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    from kivi_cache import Int4PagedCache
+
+    cache = Int4PagedCache()
+    k = torch.randn(2, 2, 300, 64)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    bt, ql, rl = layer._device_state()
+    fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
+    q = torch.randn(2, 4, 64)
+    extra = dict(new_k=torch.randn(2, 2, 1, 64), new_v=torch.randn(2, 2, 1, 64)) if new else {}
+    for _ in range(2):  # planned (not final: residency unknown), then planned and cached by the launchers
+        A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, **extra)
+    A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, **extra)  # the op's own direct launch
+    split, reduce = jits["split"].compiled.calls[-1], jits["reduce"].compiled.calls[-1]
+    assert len(jits["split"].compiled.calls) == 1 and len(jits["split"].launches) == 2
+    run = A.DecodeRunner(*fixed, 4, 4, 32)
+    run.run(q, rl, 0.125, **extra)  # the ordinary call (the launchers' direct path), then prepared
+    run.run(q, rl, 0.125, **extra)
+    assert run.fast_runs == 1 and len(jits["split"].compiled.calls) == 3
+    mine, mine_r = jits["split"].compiled.calls[-1], jits["reduce"].compiled.calls[-1]
+    lead = 9  # grid x 3, stream, function, metadata, three hooks
+    fresh = {lead + A._A_WSM, lead + A._A_WSL, lead + A._A_WSO, lead + A._A_OUT}
+    assert len(mine) == len(split)
+    for i, (x, y) in enumerate(zip(split, mine, strict=True)):
+        if i not in fresh:
+            assert x == y, i
+    # the workspace's three parts at the op's offsets, the merge kernel reading them and writing the new output
+    assert mine[lead + A._A_WSM] - mine[lead + A._A_WSO] == split[lead + A._A_WSM] - split[lead + A._A_WSO]
+    assert mine[lead + A._A_WSL] - mine[lead + A._A_WSO] == split[lead + A._A_WSL] - split[lead + A._A_WSO]
+    assert mine_r[lead:lead + 4] == (mine[lead + A._A_WSM], mine[lead + A._A_WSL], mine[lead + A._A_WSO],
+                                     mine[lead + A._A_OUT])
+    assert mine_r[:lead] == reduce[:lead] and mine_r[lead + 4:] == reduce[lead + 4:]
+    q2, rl2 = torch.randn(2, 4, 64), rl.clone()  # another query, window lengths, token: their own addresses
+    extra2 = {k: torch.randn_like(v) for k, v in extra.items()}
+    run.run(q2, rl2, 0.125, **extra2)
+    last = jits["split"].compiled.calls[-1]
+    assert run.fast_runs == 2 and last[lead + A._A_Q] == q2.data_ptr() and last[lead + A._A_RLEN] == rl2.data_ptr()
+    if new:
+        assert (last[lead + A._A_NK], last[lead + A._A_NV]) == (extra2["new_k"].data_ptr(), extra2["new_v"].data_ptr())
+    for changed in (dict(q=torch.randn(2, 64, 4).transpose(1, 2)), dict(rl=rl.long()), dict(scale=0.5)):
+        n = len(jits["split"].launches) + len(jits["split"].compiled.calls)
+        run.run(changed.get("q", q), changed.get("rl", rl), changed.get("scale", 0.125), **extra)
+        assert run.fast_runs == 2, changed  # the ordinary call
+        assert len(jits["split"].launches) + len(jits["split"].compiled.calls) == n + 1
+    if new:
+        run.run(q, rl, 0.125)  # without the token: another plan
+        assert run.fast_runs == 2
