@@ -88,7 +88,8 @@ def set_variant(flags: str) -> None:
 
 def variants_ab(model, ids, args, dev) -> None:
     """In one process, rounds of no-sync decode steps (as generate runs them) of each variant in turn, the order
-    reversed every other round: variants ``fp16`` or ``kivi:WMR`` (see :func:`set_variant`). Per variant: the median
+    reversed every other round: variants ``fp16``, ``kivi:WMR`` (see :func:`set_variant`) or ``kivi`` (the defaults,
+    listed first among the kivi variants: the others change them in this process). Per variant: the median
     over rounds of each round's median step, and per round the ratio to fp16 of the same round."""
     names = args.variants.split(",")
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
@@ -97,7 +98,8 @@ def variants_ab(model, ids, args, dev) -> None:
     def make(name):
         if name == "fp16":
             return DynamicCache()
-        set_variant(name.split(":")[1])
+        if ":" in name:  # else the defaults
+            set_variant(name.split(":")[1])
         return Int4PagedCache()
 
     for name in names:  # warm-up: every variant's kernels compiled

@@ -707,7 +707,8 @@ _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIV
              "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_PDL", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
              "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE")
 _plan_env = env_reader(_PLAN_ENV)
-MERGE_MAX = 16  # KIVI_DECODE_FUSE_MERGE: at most this many partials per (sequence, KV head) merged in the split kernel
+MERGE_MAX = 16  # at most this many partials per (sequence, KV head) merged in the split kernel
+MERGE_PAIRS = 64  # by default the split kernel merges only where (sequences x KV heads) is at most this
 _PLANS: dict = {}  # plan key -> _DecodePlan; the 32 layers of a decode step share one (same shapes)
 _SPLIT = Launcher(_decode_split_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
@@ -767,10 +768,13 @@ class _DecodePlan:
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, pdl)
-        # KIVI_DECODE_FUSE_MERGE=1 (opt-in until measured on a GPU): the split kernel merges its own partials where
-        # a pair has at most MERGE_MAX of them (one one-warp program merges them all: a short tail)
+        # the split kernel merges its own partials (no merge kernel) where a pair has at most MERGE_MAX of them (one
+        # one-warp program merges them all: a short tail) and, by default, where there are few pairs (small batches,
+        # whose eager steps are host-bound: one launch fewer; H200, batch 1 at 1k: 22.7 -> 22.2 ms a step, eval/NOTES.md
+        # session 13). KIVI_DECODE_FUSE_MERGE=1: at any batch; 0: never.
         self.merge_meta = None
-        if os.environ.get("KIVI_DECODE_FUSE_MERGE") == "1" and self.nsp1 <= MERGE_MAX and not pdl:
+        fuse = os.environ.get("KIVI_DECODE_FUSE_MERGE", "auto")
+        if (fuse == "1" or (fuse == "auto" and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= MERGE_MAX and not pdl:
             bm = triton.next_power_of_2(self.nsp1)
             self.merge_meta = dict(self.meta, MERGE=1, BM=bm, BSM=max(1, min(bm, 2048 // (gp * d))))
         self.pairs, self.counters = bsz * hkv, {}  # MERGE: arrival counts per stream, zero between calls
@@ -860,9 +864,10 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     (``[B, Hq, D]``, q's dtype, last dim contiguous) is written in place if given.
     ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX unpack) are for tests and
     benchmarks. Everything that depends only on shapes and settings is planned once per key
-    (:class:`_DecodePlan`); a call then allocates one workspace and makes two launches (one with
-    ``KIVI_DECODE_FUSE_MERGE=1`` where a (sequence, KV head) has at most ``MERGE_MAX`` partials: the split kernel's
-    last program of each merges them; not while a CUDA graph is being captured).
+    (:class:`_DecodePlan`); a call then allocates one workspace and makes two launches, or one where the split
+    kernel's last program of each (sequence, KV head) merges the partials: at most ``MERGE_MAX`` of them and, unless
+    ``KIVI_DECODE_FUSE_MERGE=1`` (``0``: never), at most ``MERGE_PAIRS`` pairs; not while a CUDA graph is captured.
+    :class:`DecodeRunner` plans once for many calls.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()

@@ -250,7 +250,8 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, padded):
-    """KIVI_DECODE_FUSE_WRITE (opt-in): the split kernel's window program stores the step's token before reading the
+    """The window write by the decode op (default; KIVI_DECODE_FUSE_WRITE=0: two copies): the split kernel's window
+    program stores the step's token before reading the
     window; the step logits and the stored windows equal those of the two torch copies, bit for bit."""
     from kivi_cache import layer as L
 
@@ -273,7 +274,8 @@ def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, 
 
 
 def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
-    """KIVI_DECODE_FUSE_MERGE=1 on the GPU (memory ordering: arrival counts with acq_rel atomics, partials read
+    """The split kernel's own merge (KIVI_DECODE_FUSE_MERGE=1) on the GPU (memory ordering: arrival counts with
+    acq_rel atomics, partials read
     through L2): many calls in a row, every (sequence, KV head) with 2..16 partials, against the two-kernel path."""
     from kivi_cache.kernels import attention as A
 
@@ -287,6 +289,7 @@ def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
         rv = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
         rl = torch.randint(0, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
         args = bk.decode_args(pool, q, rk, rv, rl, 4, 4, 32, 0.088)
+        monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
         two = A.paged_decode_attention(*args, num_splits=splits)
         monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
         for _ in range(20):
@@ -328,11 +331,13 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
                 got = run.run(q, rl, 0.088, **new)
                 want = A.paged_decode_attention(q, *fixed, rl, *bits, 0.088, **new)
                 assert torch.equal(got, want), (b, hkv, ctx, with_new, i)
-            assert run.fast_runs == 7, (b, hkv, ctx, with_new, run.fast_runs)  # every call after the first
+            # every call after the first (after the second where the first was the process's first of the kernel:
+            # its plan waits for the compiled kernel's residency)
+            assert run.fast_runs >= 6, (b, hkv, ctx, with_new, run.fast_runs)
             qt = torch.randn(b, 128, 32, device=dev, generator=gen, dtype=torch.float16).transpose(1, 2)  # strides
             assert torch.equal(run.run(qt, rl, 0.088, **new), A.paged_decode_attention(qt, *fixed, rl, *bits, 0.088,
                                                                                         **new))
-            assert run.fast_runs == 7
+            assert run.fast_runs >= 6
         monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "512")  # a plan setting: the ordinary call again, then direct
         run = A.DecodeRunner(*fixed, *bits)
         for _ in range(3):

@@ -464,12 +464,14 @@ def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, fo
 
 @pytest.mark.parametrize("grp,splits", [(1, 1), (3, 4), (8, 15), (4, 20)])
 def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
-    """KIVI_DECODE_FUSE_MERGE=1: the last program of each (sequence, KV head) merges the NS + 1 partials (up to
+    """The split kernel merging (here KIVI_DECODE_FUSE_MERGE=1; by default at small batches): the last program of
+    each (sequence, KV head) merges the NS + 1 partials (up to
     MERGE_MAX of them; beyond, the merge kernel as before); outputs match the two-kernel path and the reference, the
     merge kernel is not launched, and the arrival counts are left at zero for the next call."""
     from kivi_cache.kernels import attention as A
 
     args = decode_case(3, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300, 0, 64], [7, 0, 130], c=160)
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
     two = K.paged_decode_attention(*args, num_splits=splits)
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
     launched = []
