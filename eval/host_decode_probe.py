@@ -74,11 +74,24 @@ def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None, on_step=None
     return step_s, host_s
 
 
-def set_variant(flags: str) -> None:
+_DEFAULTS: dict = {}
+
+
+def set_variant(flags: str | None) -> None:
     """``flags``: three 0/1 digits, (window write in the op, in-kernel merge, decode runner), set in this process
     (what KIVI_DECODE_FUSE_WRITE, KIVI_DECODE_FUSE_MERGE and KIVI_DECODE_RUNNER set at start-up)."""
     import kivi_cache.layer as L  # noqa: PLC0415
 
+    if not _DEFAULTS:  # this process's settings at start-up
+        _DEFAULTS.update(write=L.FUSE_WINDOW_WRITE, merge=os.environ.get("KIVI_DECODE_FUSE_MERGE"),
+                         runner=L.DECODE_RUNNER)
+    if flags is None:  # back to them
+        L.FUSE_WINDOW_WRITE, L.DECODE_RUNNER = _DEFAULTS["write"], _DEFAULTS["runner"]
+        if _DEFAULTS["merge"] is None:
+            os.environ.pop("KIVI_DECODE_FUSE_MERGE", None)
+        else:
+            os.environ["KIVI_DECODE_FUSE_MERGE"] = _DEFAULTS["merge"]
+        return
     if len(flags) != 3 or set(flags) - {"0", "1"}:
         raise ValueError(f"variant flags must be three 0/1 digits (write, merge, runner); got {flags!r}")
     L.FUSE_WINDOW_WRITE = flags[0] == "1"
@@ -88,8 +101,8 @@ def set_variant(flags: str) -> None:
 
 def variants_ab(model, ids, args, dev) -> None:
     """In one process, rounds of no-sync decode steps (as generate runs them) of each variant in turn, the order
-    reversed every other round: variants ``fp16``, ``kivi:WMR`` (see :func:`set_variant`) or ``kivi`` (the defaults,
-    listed first among the kivi variants: the others change them in this process). Per variant: the median
+    reversed every other round: variants ``fp16``, ``kivi:WMR`` (see :func:`set_variant`) or ``kivi`` (the
+    process's defaults, restored before each of its rounds). Per variant: the median
     over rounds of each round's median step, and per round the ratio to fp16 of the same round."""
     names = args.variants.split(",")
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
@@ -98,8 +111,7 @@ def variants_ab(model, ids, args, dev) -> None:
     def make(name):
         if name == "fp16":
             return DynamicCache()
-        if ":" in name:  # else the defaults
-            set_variant(name.split(":")[1])
+        set_variant(name.split(":")[1] if ":" in name else None)  # ``kivi``: the process's defaults
         return Int4PagedCache()
 
     for name in names:  # warm-up: every variant's kernels compiled

@@ -130,6 +130,7 @@ def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch
     monkeypatch.setattr(A, "_SPLIT", recorder("split"))
     monkeypatch.setattr(A, "_REDUCE", recorder("reduce"))
     monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # both kernels (batch 1 merges in the split kernel by default)
     from kivi_cache import Int4PagedCache
 
     cache = Int4PagedCache()
