@@ -14,4 +14,5 @@ import op_api  # noqa: E402
 def test_op_api_example(bits, bound, capsys):
     errs = op_api.main(["--bits", str(bits), "--device", "cpu", "--lengths", "40,200"])
     assert len(errs) == 2 and max(errs) < bound
-    assert "x less" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x less" in out and "same output as the op: True" in out

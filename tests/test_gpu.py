@@ -273,6 +273,18 @@ def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, 
         assert torch.equal(x, y)
 
 
+def _int4_decode_args(bk, b, hkv, ctx, gen, min_window):
+    """The decode op's arguments over a random int4 pool (32 query heads, d 128, pages of 64, g32) and a 160-token
+    window holding ``min_window`` to 159 tokens per sequence (eval/bench_kernels.py's builders)."""
+    dev = torch.device("cuda")
+    pool = bk.make_pool(b, hkv, ctx, 128, 64, 32, 4, 4, dev, gen)
+    q = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
+    rk = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
+    rv = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
+    rl = torch.randint(min_window, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
+    return bk.decode_args(pool, q, rk, rv, rl, 4, 4, 32, 0.088)
+
+
 def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
     """The split kernel's own merge (KIVI_DECODE_FUSE_MERGE=1) on the GPU (memory ordering: arrival counts with
     acq_rel atomics, partials read
@@ -281,14 +293,8 @@ def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
 
     bk = _bench_kernels()
     gen = torch.Generator(device="cuda").manual_seed(3)
-    dev = torch.device("cuda")
     for b, hkv, ctx, splits in ((1, 8, 1024, 3), (4, 8, 4096, 15), (8, 2, 2048, 1), (3, 4, 3008, 7)):
-        pool = bk.make_pool(b, hkv, ctx, 128, 64, 32, 4, 4, dev, gen)
-        q = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
-        rk = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
-        rv = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
-        rl = torch.randint(0, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
-        args = bk.decode_args(pool, q, rk, rv, rl, 4, 4, 32, 0.088)
+        args = _int4_decode_args(bk, b, hkv, ctx, gen, min_window=0)
         monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
         two = A.paged_decode_attention(*args, num_splits=splits)
         monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
@@ -311,13 +317,8 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
     bk = _bench_kernels()
     gen = torch.Generator(device="cuda").manual_seed(5)
     dev = torch.device("cuda")
-    for b, hkv, ctx in ((1, 8, 1024), (3, 4, 3008), (5, 2, 700)):
-        pool = bk.make_pool(b, hkv, ctx, 128, 64, 32, 4, 4, dev, gen)
-        q0 = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
-        rk = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
-        rv = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
-        rl0 = torch.randint(1, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
-        args = bk.decode_args(pool, q0, rk, rv, rl0, 4, 4, 32, 0.088)
+    for b, hkv, ctx in ((1, 8, 1024), (3, 4, 3008)):
+        args = _int4_decode_args(bk, b, hkv, ctx, gen, min_window=1)
         fixed, bits = args[1:11], args[12:15]
         for with_new in (False, True, False):
             run = A.DecodeRunner(*fixed, *bits)

@@ -117,6 +117,18 @@ def _runtime_params(fn):
     return n
 
 
+def _stored_layer(batch: int):
+    """An Int4PagedCache layer holding a 300-token prompt of ``batch`` sequences (2 KV heads, d 64), committed."""
+    from kivi_cache import Int4PagedCache
+
+    cache = Int4PagedCache()
+    k = torch.randn(batch, 2, 300, 64)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    return layer
+
+
 def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch):
     """The launcher rebuilds the constexpr values from the parameters after the positional arguments: the decode
     op must pass exactly the runtime parameters positionally and the kernels must declare them first."""
@@ -131,13 +143,7 @@ def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch
     monkeypatch.setattr(A, "_REDUCE", recorder("reduce"))
     monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # both kernels (batch 1 merges in the split kernel by default)
-    from kivi_cache import Int4PagedCache
-
-    cache = Int4PagedCache()
-    k = torch.randn(1, 2, 300, 64)
-    cache.update(k, k, 0)
-    layer = cache.layers[0]
-    layer.commit(layer.pending)
+    layer = _stored_layer(1)
     bt, ql, rl = layer._device_state()
     A.paged_decode_attention(torch.randn(1, 4, 64), bt, ql, *layer.pool.args(), layer.res_k, layer.res_v, rl, 4, 4,
                              32, 0.125)
@@ -181,8 +187,9 @@ def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypa
     assert seen["q"][0] != key
 
 
+@pytest.mark.parametrize("merge", ["0", "1"])
 @pytest.mark.parametrize("new", [False, True])
-def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(gpu_like, monkeypatch, new):
+def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(gpu_like, monkeypatch, new, merge):
     """kernels.DecodeRunner's direct launch (a template of the first call's arguments, the changing pointers
     replaced) passes the split and merge kernels exactly what the op's own cached launch passes for the same call,
     the fresh workspace and output aside; a changed query layout, window-length dtype or setting goes through the
@@ -199,13 +206,8 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     monkeypatch.setattr(A, "_PLANS", {})
     monkeypatch.setattr(A, "_RESIDENT", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    from kivi_cache import Int4PagedCache
-
-    cache = Int4PagedCache()
-    k = torch.randn(2, 2, 300, 64)
-    cache.update(k, k, 0)
-    layer = cache.layers[0]
-    layer.commit(layer.pending)
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)  # 1: the split kernel merges (no merge kernel launched)
+    layer = _stored_layer(2)
     bt, ql, rl = layer._device_state()
     fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
     q = torch.randn(2, 4, 64)
@@ -213,13 +215,15 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     for _ in range(2):  # planned (not final: residency unknown), then planned and cached by the launchers
         A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, **extra)
     A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, **extra)  # the op's own direct launch
-    split, reduce = jits["split"].compiled.calls[-1], jits["reduce"].compiled.calls[-1]
+    split = jits["split"].compiled.calls[-1]
+    reduce = jits["reduce"].compiled.calls[-1] if merge == "0" else None
     assert len(jits["split"].compiled.calls) == 1 and len(jits["split"].launches) == 2
+    assert not jits["reduce"].launches + jits["reduce"].compiled.calls if merge == "1" else reduce is not None
     run = A.DecodeRunner(*fixed, 4, 4, 32)
     run.run(q, rl, 0.125, **extra)  # the ordinary call (the launchers' direct path), then prepared
     run.run(q, rl, 0.125, **extra)
     assert run.fast_runs == 1 and len(jits["split"].compiled.calls) == 3
-    mine, mine_r = jits["split"].compiled.calls[-1], jits["reduce"].compiled.calls[-1]
+    mine = jits["split"].compiled.calls[-1]
     lead = 9  # grid x 3, stream, function, metadata, three hooks
     fresh = {lead + A._A_WSM, lead + A._A_WSL, lead + A._A_WSO, lead + A._A_OUT}
     assert len(mine) == len(split)
@@ -229,9 +233,13 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     # the workspace's three parts at the op's offsets, the merge kernel reading them and writing the new output
     assert mine[lead + A._A_WSM] - mine[lead + A._A_WSO] == split[lead + A._A_WSM] - split[lead + A._A_WSO]
     assert mine[lead + A._A_WSL] - mine[lead + A._A_WSO] == split[lead + A._A_WSL] - split[lead + A._A_WSO]
-    assert mine_r[lead:lead + 4] == (mine[lead + A._A_WSM], mine[lead + A._A_WSL], mine[lead + A._A_WSO],
-                                     mine[lead + A._A_OUT])
-    assert mine_r[:lead] == reduce[:lead] and mine_r[lead + 4:] == reduce[lead + 4:]
+    if merge == "0":
+        mine_r = jits["reduce"].compiled.calls[-1]
+        assert mine_r[lead:lead + 4] == (mine[lead + A._A_WSM], mine[lead + A._A_WSL], mine[lead + A._A_WSO],
+                                         mine[lead + A._A_OUT])
+        assert mine_r[:lead] == reduce[:lead] and mine_r[lead + 4:] == reduce[lead + 4:]
+    else:  # the arrival counts: the plan's, as in the op's own launch (compared above); no merge kernel
+        assert not jits["reduce"].launches + jits["reduce"].compiled.calls
     q2, rl2 = torch.randn(2, 4, 64), rl.clone()  # another query, window lengths, token: their own addresses
     extra2 = {k: torch.randn_like(v) for k, v in extra.items()}
     run.run(q2, rl2, 0.125, **extra2)
