@@ -2,8 +2,10 @@
 
 Each public function is the twin of the function of the same name in
 :mod:`kivi_cache.reference` (same signature and semantics; a few extra
-keyword-only tuning arguments). The cache decides when to call them; use
-:func:`available` to know whether Triton can run here.
+keyword-only tuning arguments). :class:`DecodeRunner` is ``paged_decode_attention`` planned once
+for many calls over the same pages (its runs equal the op's calls; ``kivi_cache.ops.DecodeRunner``
+picks it or the reference). The cache decides when to call them; use :func:`available` to know
+whether Triton can run here.
 """
 
 from __future__ import annotations
