@@ -915,7 +915,6 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     return out
 
 
-
 def _cuda_index(t: torch.Tensor) -> int:
     """The CUDA device index of ``t``, -1 on the CPU."""
     return t.get_device()
@@ -1042,16 +1041,17 @@ class DecodeRunner:
         r.keep = cnt  # the merge's counts: their address is in the argument list
         r.grid, r.reduce_grid = plan.grid, plan.reduce_grid
 
-        def template(launch):
+        def template(launch, launch_args):  # the argument list with every tensor as its address
             positions, kernel, consts = launch
-            call = [a for a in (args if launch is split else rargs)]
+            call = list(launch_args)
             for i in positions:
                 call[i] = call[i].data_ptr()
             return kernel, call, consts
 
-        r.split = template(split)
-        r.reduce = None if merge else template(red)
+        r.split = template(split, args)
+        r.reduce = None if merge else template(red, rargs)
         return r
+
 
 # ----------------------------------------------------------------------------- prefix
 
