@@ -61,7 +61,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.pending: PendingStep | None = None
         self._dev = None  # cached (block_table, q_lens, r_lens) device tensors
         self._length_rows = None  # this batch's rows of the shared window-length table (_uniform_lengths)
-        if getattr(self, "pool", None) is not None:
+        if self.pool is not None:
             self.pool.decode_runner = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -405,16 +405,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if n == 1:
             deferred = self.commit(step, valid, defer_write=FUSE_WINDOW_WRITE)
             bt, ql, rl = self._device_state()
-            if not DECODE_RUNNER:  # KIVI_DECODE_RUNNER=0: the op's ordinary call every step (for A/B runs)
-                new = dict(new_k=step.key, new_v=step.value) if deferred else {}
-                return ops.paged_decode_attention(query.select(2, 0), bt, ql, *self.pool.args(), res_k=self.res_k,
-                                                  res_v=self.res_v, res_lengths=rl, sm_scale=scaling, **bits,
-                                                  **new).unsqueeze(1)
             pool = self.pool
             run = pool.decode_runner  # plan once, run every step until the block table or window is replaced
             if run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k:
+                # KIVI_DECODE_RUNNER=0 (direct=False): the op's ordinary call every step (for A/B runs)
                 run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k, res_v=self.res_v,
-                                                            **bits)
+                                                            direct=DECODE_RUNNER, **bits)
             if deferred:
                 return run(query.select(2, 0), rl, scaling, step.key, step.value).unsqueeze(1)
             return run(query.select(2, 0), rl, scaling).unsqueeze(1)
@@ -616,7 +612,7 @@ def query_len(query_length) -> int:
 # batch 1 at 1k, in-process A/B: 23.8 -> 22.7 ms a step; eval/NOTES.md session 13); KIVI_DECODE_FUSE_WRITE=0: copies
 FUSE_WINDOW_WRITE = os.environ.get("KIVI_DECODE_FUSE_WRITE", "1") != "0"
 # the decode op planned once per block table and run every step (ops.DecodeRunner: direct launches of the first call's
-# argument list); KIVI_DECODE_RUNNER=0: the op's ordinary call every step
+# argument list); KIVI_DECODE_RUNNER=0: the op's ordinary call every step (read when a layer builds its runner)
 DECODE_RUNNER = os.environ.get("KIVI_DECODE_RUNNER", "1") != "0"
 _LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> capacity + 1 views of [batch] int32, row r all r
 

@@ -117,17 +117,18 @@ class DecodeRunner:
     again with new queries (plan once, run many: the cache's decode steps). The Triton kernels'
     :class:`~kivi_cache.kernels.attention.DecodeRunner` where they run on the current device (it launches the
     compiled kernels directly after a first ordinary call); otherwise, and for a configuration the kernels do not
-    cover, the ordinary op (with its fallback to the torch reference). Build a new one when the state's tensors are
-    replaced."""
+    cover, the ordinary op (with its fallback to the torch reference). ``direct=False``: always the ordinary op.
+    Build a new one when the state's tensors are replaced."""
 
-    def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size):
+    def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size,
+                 direct: bool = True):
         self.block_table, self.lengths, self.pool, self.res_k, self.res_v = block_table, lengths, pool, res_k, res_v
         self.bits = dict(key_bits=key_bits, value_bits=value_bits, group_size=group_size)
         dev = block_table.device
         self.index = dev.index if dev.type == "cuda" else None
         mod = _impl(dev.type)
         self.kernel = None
-        if mod is not reference and self.index is not None:
+        if direct and mod is not reference and self.index is not None:
             self.kernel = mod.DecodeRunner(block_table, lengths, *pool, res_k, res_v, key_bits, value_bits,
                                            group_size)
 
