@@ -108,10 +108,23 @@ def variants_ab(model, ids, args, dev) -> None:
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
                gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rounds=[])
 
+    set_env: dict = {}  # the environment a ``+NAME=VALUE`` variant changed (undone before the next variant)
+
     def make(name):
+        for k, v in set_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        set_env.clear()
         if name == "fp16":
             return DynamicCache()
+        name, *env = name.split("+")
         set_variant(name.split(":")[1] if ":" in name else None)  # ``kivi``: the process's defaults
+        for item in env:  # e.g. kivi+KIVI_DECODE_MERGE_MAX=256 (a setting the kernels read per call)
+            k, v = item.split("=", 1)
+            set_env.setdefault(k, os.environ.get(k))
+            os.environ[k] = v
         return Int4PagedCache()
 
     for name in names:  # warm-up: every variant's kernels compiled
@@ -218,6 +231,65 @@ def flush_probe(model, ids, args, dev) -> None:
             json.dump(res, f, indent=1)
 
 
+def flush_profile(model, ids, args, dev) -> None:
+    """Where a flush step's extra host time goes: kivi-int4 decode steps (synced), each under its own cProfile and
+    torch.profiler (CPU ops and CUDA runtime calls); per step kind (flush / other) the functions and ops with the most
+    own time per step."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    decode(model, Int4PagedCache(), ids, 8, dev, wait=True)  # warm-up
+    cache = Int4PagedCache()
+    kinds = {True: [None, {}, 0], False: [None, {}, 0]}  # cProfile stats, torch op own us, steps
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch.no_grad():
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        sync(dev)
+        pos = ids.shape[1]
+        for _ in range(args.flush_profile):
+            before = sum(cache.layers[0].q_lens)
+            prof = cProfile.Profile()
+            with profile(activities=acts) as tp:
+                prof.enable()
+                out = model(tok, **cache_kwargs(model, cache), use_cache=True,
+                            cache_position=torch.tensor([pos], device=dev))
+                tok = out.logits[:, -1:].argmax(-1)
+                prof.disable()
+                sync(dev)
+            pos += 1
+            k = kinds[sum(cache.layers[0].q_lens) != before]
+            k[0] = pstats.Stats(prof) if k[0] is None else (k[0].add(prof) or k[0])
+            for e in tp.key_averages():
+                k[1][e.key] = k[1].get(e.key, 0.0) + e.self_cpu_time_total
+            k[2] += 1
+    res = dict(args=vars(args), torch=torch.__version__, gpu=torch.cuda.get_device_name() if dev.type == "cuda"
+               else "cpu")
+    for flush, (st, ops_us, n) in kinds.items():
+        if not n:
+            continue
+        rows = []
+        for (fname, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():
+            rows.append(dict(where=f"{fname.split('site-packages/')[-1]}:{line} {func}", calls_per_step=nc / n,
+                             own_us_per_step=tt / n * 1e6, cum_us_per_step=ct / n * 1e6))
+        name = "flush" if flush else "other"
+        res[name] = dict(steps=n, top_own=sorted(rows, key=lambda r: -r["own_us_per_step"])[:args.top],
+                         top_cumulative=sorted(rows, key=lambda r: -r["cum_us_per_step"])[:args.top],
+                         torch_ops_own_us_per_step=dict(sorted(((k2, v / n) for k2, v in ops_us.items()),
+                                                               key=lambda kv: -kv[1])[:args.top]))
+        print(name, n, "steps; top cumulative:", flush=True)
+        ours = [r for r in sorted(rows, key=lambda r: -r["cum_us_per_step"]) if "kivi_cache" in r["where"]
+                or "kernels/" in r["where"] or "triton" in r["where"]]
+        res[name]["ours_cumulative"] = ours[:args.top]
+        for r in ours[:16]:
+            print(f"  {r['cum_us_per_step']:10.0f} us {r['calls_per_step']:7.1f}x {r['where']}", flush=True)
+        print("  torch ops (own us/step):", json.dumps({k2: round(v) for k2, v in
+                                                          list(res[name]["torch_ops_own_us_per_step"].items())[:12]}),
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama3-8b", choices=sorted(bg.MODELS))
@@ -231,9 +303,13 @@ def main():
     ap.add_argument("--flush-probe", type=int, default=0, metavar="STEPS",
                     help="only kivi-int4: STEPS synced decode steps, each step's time, flush steps (a key group "
                          "quantized) against the others")
+    ap.add_argument("--flush-profile", type=int, default=0, metavar="STEPS",
+                    help="only kivi-int4: STEPS synced decode steps under cProfile and torch.profiler, flush steps "
+                         "against the others")
     ap.add_argument("--variants", default=None, metavar="LIST",
                     help="comma-separated fp16 and kivi:WMR (0/1 digits: window write in the op, in-kernel merge, "
-                         "decode runner): no-sync step medians of each in turn, in one process")
+                         "decode runner), each optionally +ENV=VALUE (settings read per call, e.g. "
+                         "kivi+KIVI_DECODE_MERGE_MAX=256): no-sync step medians of each in turn, in one process")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -253,6 +329,9 @@ def main():
     ids = bg.prompt_ids(1, args.prompt, model.config.vocab_size, dev)
     if args.flush_probe:
         flush_probe(model, ids, args, dev)
+        return
+    if args.flush_profile:
+        flush_profile(model, ids, args, dev)
         return
     if args.variants:
         variants_ab(model, ids, args, dev)

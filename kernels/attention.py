@@ -503,6 +503,18 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _merge_chunk(m_ws, o_ws, base, m_safe, gmask, s0, NSP1, D: tl.constexpr, BSM: tl.constexpr):
+    """Partials ``[s0, s0 + BSM)`` of rows ``base`` weighted by ``exp2(m - m_safe)``, summed: ``[GP, D]``."""
+    so = s0 + tl.arange(0, BSM)
+    okc = gmask[:, None] & (so[None, :] < NSP1)
+    w = tl.exp2(tl.load(m_ws + base[:, None] + so[None, :], mask=okc, other=float("-inf"), cache_modifier=".cg")
+                - m_safe[:, None])
+    o = tl.load(o_ws + ((base[:, None] + so[None, :]) * D)[:, :, None] + tl.arange(0, D)[None, None, :],
+                mask=okc[:, :, None], other=0.0, cache_modifier=".cg")
+    return tl.sum(w[:, :, None] * o, axis=1)
+
+
+@triton.jit
 def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, GP: tl.constexpr, D: tl.constexpr,
                 BM: tl.constexpr, BSM: tl.constexpr):
     """The split kernel's in-place merge (MERGE): rows ``row`` ``[GP]`` (query heads ``hq`` of one sequence and KV
@@ -517,14 +529,12 @@ def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, 
     l_sum = tl.sum(tl.exp2(m_all - m_safe[:, None]) * l_all, axis=1)
     offs_d = tl.arange(0, D)
     acc = tl.zeros([GP, D], tl.float32)
-    for s0 in tl.static_range(0, BM, BSM):
-        so = s0 + tl.arange(0, BSM)
-        okc = gmask[:, None] & (so[None, :] < NSP1)
-        w = tl.exp2(tl.load(m_ws + base[:, None] + so[None, :], mask=okc, other=float("-inf"), cache_modifier=".cg")
-                    - m_safe[:, None])
-        o = tl.load(o_ws + ((base[:, None] + so[None, :]) * D)[:, :, None] + offs_d[None, None, :],
-                    mask=okc[:, :, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w[:, :, None] * o, axis=1)
+    if BM <= 16:  # a few partials: the loop unrolled (its loads issued together)
+        for s0 in tl.static_range(0, BM, BSM):
+            acc += _merge_chunk(m_ws, o_ws, base, m_safe, gmask, s0, NSP1, D, BSM)
+    else:  # many (eager batch 1 at long context, KIVI_DECODE_MERGE_MAX): a loop
+        for s0 in tl.range(0, NSP1, BSM):
+            acc += _merge_chunk(m_ws, o_ws, base, m_safe, gmask, s0, NSP1, D, BSM)
     res = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + out_off + hq[:, None] * s_oh + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
              mask=gmask[:, None])
@@ -705,7 +715,8 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 # Environment settings a decode plan depends on (read once per call: a test may change them between calls).
 _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
              "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_PDL", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
-             "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE")
+             "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
+             "KIVI_DECODE_MERGE_MAX")
 _plan_env = env_reader(_PLAN_ENV)
 MERGE_MAX = 16  # at most this many partials per (sequence, KV head) merged in the split kernel
 MERGE_PAIRS = 64  # by default the split kernel merges only where (sequences x KV heads) is at most this
@@ -774,8 +785,10 @@ class _DecodePlan:
         # session 13). KIVI_DECODE_FUSE_MERGE=1: at any batch; 0: never.
         self.merge_meta = None
         fuse = os.environ.get("KIVI_DECODE_FUSE_MERGE", "auto")
-        if (fuse == "1" or (fuse == "auto" and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= MERGE_MAX and not pdl:
-            bm = triton.next_power_of_2(self.nsp1)
+        merge_max = int(os.environ.get("KIVI_DECODE_MERGE_MAX", MERGE_MAX))
+        bm = triton.next_power_of_2(self.nsp1)
+        if ((fuse == "1" or (fuse == "auto" and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= merge_max and not pdl
+                and gp * bm <= 1024):  # the merging program holds all [GP, BM] partial maxima and sums in registers
             self.merge_meta = dict(self.meta, MERGE=1, BM=bm, BSM=max(1, min(bm, 2048 // (gp * d))))
         self.pairs, self.counters = bsz * hkv, {}  # MERGE: arrival counts per stream, zero between calls
         self.final = interp or rkey in _RESIDENT  # else: planned again once the kernel's residency is known
@@ -809,12 +822,27 @@ def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scal
             None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env())
 
 
-def _workspace(plan: _DecodePlan, d: int, device):
+_SHARED_WS: dict = {}  # (device index, stream, floats) -> the workspace that DecodeRunners launching there share
+
+
+def _workspace(plan: _DecodePlan, d: int, device, shared: bool = False):
     """One fp32 workspace for a call: partial outputs first (16-byte aligned), then maxima and sums, each padded to
-    4 floats (so all three are 16-byte aligned)."""
+    4 floats (so all three are 16-byte aligned). ``shared``: one buffer per device, stream and size, kept for the
+    :class:`DecodeRunner` s that launch on that stream only (their kernels run one after another there, each
+    reading its partials before the next writes them), so a runner's step allocates none."""
     rows, nsp1 = plan.rows, plan.nsp1
     pad = -(-rows * nsp1 // 4) * 4
-    ws = torch.empty(rows * nsp1 * d + 2 * pad, dtype=torch.float32, device=device)
+    n = rows * nsp1 * d + 2 * pad
+    if shared:
+        stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+        key = (device.index, stream, n)
+        ws = _SHARED_WS.get(key)
+        if ws is None:
+            if len(_SHARED_WS) > 64:  # shapes seen by a long-lived process: keep it bounded (runners keep theirs)
+                _SHARED_WS.clear()
+            ws = _SHARED_WS[key] = torch.empty(n, dtype=torch.float32, device=device)
+    else:
+        ws = torch.empty(n, dtype=torch.float32, device=device)
     ws_o = ws[:rows * nsp1 * d].view(rows, nsp1, d)
     ws_m = ws[rows * nsp1 * d:rows * nsp1 * d + rows * nsp1].view(rows, nsp1)
     ws_l = ws[rows * nsp1 * d + pad:rows * nsp1 * d + pad + rows * nsp1].view(rows, nsp1)
@@ -924,7 +952,7 @@ class _Ready:
     """What :class:`DecodeRunner` keeps from a first run to launch the same kernels again."""
 
     __slots__ = ("qshape", "qstride", "dtype", "index", "stream", "scale", "env", "new", "nk", "nv", "rl_dtype",
-                 "align", "split", "reduce", "grid", "reduce_grid", "nfloats", "off_m", "off_l", "oshape", "keep")
+                 "align", "split", "reduce", "grid", "reduce_grid", "oshape", "keep")
 
 
 class DecodeRunner:
@@ -982,18 +1010,16 @@ class DecodeRunner:
         if (qp % 16 == 0, rp % 16 == 0, nkp % 16 == 0, nvp % 16 == 0) != r.align:
             return None
         out = torch.empty(r.oshape, dtype=r.dtype, device=q.device)
-        ws = torch.empty(r.nfloats, dtype=torch.float32, device=q.device)
-        wp, op = ws.data_ptr(), out.data_ptr()
-        kernel, call, consts = r.split
+        op = out.data_ptr()
+        kernel, call, consts = r.split  # the workspace pointers are fixed (the shared workspace of r.stream)
         call[_A_Q], call[_A_RLEN], call[_A_OUT] = qp, rp, op
-        call[_A_WSO], call[_A_WSM], call[_A_WSL] = wp, wp + r.off_m, wp + r.off_l
         if new_k is not None:
             call[_A_NK], call[_A_NV] = nkp, nvp
         g0, g1 = r.grid
         kernel.run(g0, g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
         if r.reduce is not None:
             kernel, call, consts = r.reduce
-            call[0], call[1], call[2], call[3] = wp + r.off_m, wp + r.off_l, wp, op
+            call[3] = op
             g0, g1 = r.reduce_grid
             kernel.run(g0, g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
         self.fast_runs += 1
@@ -1018,7 +1044,7 @@ class DecodeRunner:
             return None
         merge = plan.merge_meta is not None
         d = q.shape[2]
-        ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
+        ws_m, ws_l, ws_o = _workspace(plan, d, q.device, shared=True)
         cnt = _counts(plan, q.device) if merge else rl
         args = _split_args(plan, q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, ws_m, ws_l, ws_o, nk3, nv3, out, cnt,
                            sm_scale)
@@ -1035,10 +1061,7 @@ class DecodeRunner:
         r.nk, r.nv = (None, None) if new_k is None else (new_k.stride(), new_v.stride())
         nkp, nvp = (new_k.data_ptr(), new_v.data_ptr()) if new_k is not None else (0, 0)
         r.align = (q.data_ptr() % 16 == 0, rl.data_ptr() % 16 == 0, nkp % 16 == 0, nvp % 16 == 0)
-        base = ws_o.data_ptr()
-        r.off_m, r.off_l = ws_m.data_ptr() - base, ws_l.data_ptr() - base
-        r.nfloats = ws_o.numel() + 2 * (r.off_l - r.off_m) // 4
-        r.keep = cnt  # the merge's counts: their address is in the argument list
+        r.keep = (cnt, ws_o)  # the merge's counts and the workspace: their addresses are in the argument lists
         r.grid, r.reduce_grid = plan.grid, plan.reduce_grid
 
         def template(launch, launch_args):  # the argument list with every tensor as its address

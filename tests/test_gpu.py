@@ -288,18 +288,22 @@ def _int4_decode_args(bk, b, hkv, ctx, gen, min_window):
 def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
     """The split kernel's own merge (KIVI_DECODE_FUSE_MERGE=1) on the GPU (memory ordering: arrival counts with
     acq_rel atomics, partials read
-    through L2): many calls in a row, every (sequence, KV head) with 2..16 partials, against the two-kernel path."""
+    through L2): many calls in a row, every (sequence, KV head) with 2..16 partials (unrolled merge) and 41..129
+    (KIVI_DECODE_MERGE_MAX=256: the merge's loop), against the two-kernel path."""
     from kivi_cache.kernels import attention as A
 
     bk = _bench_kernels()
     gen = torch.Generator(device="cuda").manual_seed(3)
-    for b, hkv, ctx, splits in ((1, 8, 1024, 3), (4, 8, 4096, 15), (8, 2, 2048, 1), (3, 4, 3008, 7)):
+    monkeypatch.setenv("KIVI_DECODE_MERGE_MAX", "256")
+    for b, hkv, ctx, splits in ((1, 8, 1024, 3), (4, 8, 4096, 15), (8, 2, 2048, 1), (3, 4, 3008, 7),
+                                (1, 8, 32768, 128), (2, 4, 8192, 40)):
         args = _int4_decode_args(bk, b, hkv, ctx, gen, min_window=0)
         monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
         two = A.paged_decode_attention(*args, num_splits=splits)
         monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
         for _ in range(20):
             one = A.paged_decode_attention(*args, num_splits=splits)
+            assert A._PLANS and any(p.merge_meta is not None and p.nsp1 == splits + 1 for p in A._PLANS.values())
             err = ((one.float() - two.float()).norm() / two.float().norm()).item()
             assert err < 1e-3, (b, hkv, ctx, splits, err)
         monkeypatch.delenv("KIVI_DECODE_FUSE_MERGE")

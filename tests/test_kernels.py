@@ -462,14 +462,18 @@ def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, fo
     assert q.shape == (bsz, hkv * grp, d)
 
 
-@pytest.mark.parametrize("grp,splits", [(1, 1), (3, 4), (8, 15), (4, 20)])
-def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
+@pytest.mark.parametrize("grp,splits,merge_max", [(1, 1, None), (3, 4, None), (8, 15, None), (4, 20, None),
+                                                   (4, 40, "64")])
+def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits, merge_max):
     """The split kernel merging (here KIVI_DECODE_FUSE_MERGE=1; by default at small batches): the last program of
-    each (sequence, KV head) merges the NS + 1 partials (up to
-    MERGE_MAX of them; beyond, the merge kernel as before); outputs match the two-kernel path and the reference, the
-    merge kernel is not launched, and the arrival counts are left at zero for the next call."""
+    each (sequence, KV head) merges the NS + 1 partials (up to KIVI_DECODE_MERGE_MAX, default MERGE_MAX, of them,
+    unrolled up to 16 and in a loop beyond; and while GP x BM <= 1024; else the merge kernel as before); outputs
+    match the two-kernel path and the reference, the merge kernel is not launched, and the arrival counts are left
+    at zero for the next call."""
     from kivi_cache.kernels import attention as A
 
+    if merge_max is not None:
+        monkeypatch.setenv("KIVI_DECODE_MERGE_MAX", merge_max)
     args = decode_case(3, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300, 0, 64], [7, 0, 130], c=160)
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
     two = K.paged_decode_attention(*args, num_splits=splits)
@@ -483,7 +487,8 @@ def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
         assert torch.isfinite(out).all()
         assert rel_err(out, two, f"fused merge g{grp} s{splits}") < 1e-5
         assert rel_err(out, R.paged_decode_attention(*args), f"fused merge ref g{grp} s{splits}") < TOL[torch.float32]
-    fused = splits + 1 <= A.MERGE_MAX
+    bm = 1 << (splits).bit_length()  # next power of two of splits + 1
+    fused = splits + 1 <= int(merge_max or A.MERGE_MAX) and (1 << (grp - 1).bit_length()) * bm <= 1024
     assert len(launched) == (0 if fused else 2)
     plans = [p for p in A._PLANS.values()
              if p.merge_meta is not None and p.pairs == 6 and p.nsp1 == splits + 1 and p.meta["GROUP"] == grp]
@@ -491,3 +496,22 @@ def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
     for p in plans:
         for cnt in p.counters.values():
             assert not cnt.any()
+
+
+@pytest.mark.parametrize("grp,splits,merge_max,fused", [(4, 15, None, True), (4, 16, None, False),
+                                                         (4, 130, "256", True), (8, 130, "256", False),
+                                                         (4, 130, "100", False), (2, 300, "512", True)])
+def test_in_kernel_merge_plan_limits(monkeypatch, grp, splits, merge_max, fused):
+    """Where the split kernel merges (the plan alone, no launch): at most KIVI_DECODE_MERGE_MAX partials (default
+    MERGE_MAX = 16) and GP x BM <= 1024 (the merging program's partial maxima and sums in registers)."""
+    from kivi_cache.kernels import attention as A
+
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
+    if merge_max is not None:
+        monkeypatch.setenv("KIVI_DECODE_MERGE_MAX", merge_max)
+    q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(1, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300],
+                                                               [7], c=160)
+    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, splits, False, False)
+    assert plan.nsp1 == splits + 1 and (plan.merge_meta is not None) == fused
+    if fused:
+        assert plan.merge_meta["BM"] >= splits + 1 and plan.merge_meta["MERGE"] == 1

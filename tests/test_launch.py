@@ -192,8 +192,9 @@ def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypa
 def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(gpu_like, monkeypatch, new, merge):
     """kernels.DecodeRunner's direct launch (a template of the first call's arguments, the changing pointers
     replaced) passes the split and merge kernels exactly what the op's own cached launch passes for the same call,
-    the fresh workspace and output aside; a changed query layout, window-length dtype or setting goes through the
-    ordinary call. On a GPU, tests/test_gpu.py::test_decode_runner_equals_the_op_call_for_call compares outputs."""
+    the workspace (the one shared by runners on that stream) and the fresh output aside; a changed query layout,
+    window-length dtype or setting goes through the ordinary call. On a GPU,
+    tests/test_gpu.py::test_decode_runner_equals_the_op_call_for_call compares outputs."""
     jits = {}
     for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
         jit = _JIT()
@@ -245,6 +246,15 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     run.run(q2, rl2, 0.125, **extra2)
     last = jits["split"].compiled.calls[-1]
     assert run.fast_runs == 2 and last[lead + A._A_Q] == q2.data_ptr() and last[lead + A._A_RLEN] == rl2.data_ptr()
+    # the workspace: the same shared buffer every run (and for another runner of the same shapes)
+    assert [last[lead + i] for i in (A._A_WSM, A._A_WSL, A._A_WSO)] == [mine[lead + i] for i in
+                                                                        (A._A_WSM, A._A_WSL, A._A_WSO)]
+    shared = {t.data_ptr() for t in A._SHARED_WS.values()}
+    assert mine[lead + A._A_WSO] in shared
+    other = A.DecodeRunner(*fixed, 4, 4, 32)
+    other.run(q, rl, 0.125, **extra)
+    other.run(q, rl, 0.125, **extra)
+    assert other.fast_runs == 1 and jits["split"].compiled.calls[-1][lead + A._A_WSO] == mine[lead + A._A_WSO]
     if new:
         assert (last[lead + A._A_NK], last[lead + A._A_NV]) == (extra2["new_k"].data_ptr(), extra2["new_v"].data_ptr())
     for changed in (dict(q=torch.randn(2, 64, 4).transpose(1, 2)), dict(rl=rl.long()), dict(scale=0.5)):
