@@ -210,7 +210,10 @@ def flush_probe(model, ids, args, dev) -> None:
     decode(model, Int4PagedCache(), ids, 8, dev, wait=True)  # warm-up
     res = dict(args=vars(args), torch=torch.__version__, gpu=torch.cuda.get_device_name() if dev.type == "cuda"
                else "cpu", runs=[])
-    for _ in range(2):
+    from kivi_cache.layer import QuantizedPagedLayer  # noqa: PLC0415
+
+    for spare in (True, False, True, False):  # the block table's spare columns (session 14) on and off, in turn
+        QuantizedPagedLayer.SPARE_COLUMNS = spare
         cache = Int4PagedCache()
         flushed = []
 
@@ -221,11 +224,13 @@ def flush_probe(model, ids, args, dev) -> None:
         flush = [i > 0 and flushed[i] != flushed[i - 1] for i in range(len(flushed))]
         fl = [t * 1e3 for t, f in zip(step_s, flush, strict=True) if f]
         other = [t * 1e3 for t, f in zip(step_s, flush, strict=True) if not f]
-        run = dict(step_ms=[round(t * 1e3, 3) for t in step_s], host_ms=[round(t * 1e3, 3) for t in host_s],
+        run = dict(spare_columns=spare, step_ms=[round(t * 1e3, 3) for t in step_s],
+                   host_ms=[round(t * 1e3, 3) for t in host_s],
                    flush=flush, flush_steps=len(fl), flush_ms_median=statistics.median(fl) if fl else None,
                    other_ms_median=statistics.median(other), mean_ms=sum(step_s) / len(step_s) * 1e3)
         res["runs"].append(run)
         print(json.dumps({k: v for k, v in run.items() if k not in ("step_ms", "host_ms", "flush")}), flush=True)
+    QuantizedPagedLayer.SPARE_COLUMNS = True
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

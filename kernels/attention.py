@@ -718,7 +718,9 @@ _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIV
              "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
              "KIVI_DECODE_MERGE_MAX")
 _plan_env = env_reader(_PLAN_ENV)
-MERGE_MAX = 16  # at most this many partials per (sequence, KV head) merged in the split kernel
+# at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
+# GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: 2.8% faster eager steps (H200, eval/NOTES.md session 14)
+MERGE_MAX = 256
 MERGE_PAIRS = 64  # by default the split kernel merges only where (sequences x KV heads) is at most this
 _PLANS: dict = {}  # plan key -> _DecodePlan; the 32 layers of a decode step share one (same shapes)
 _SPLIT = Launcher(_decode_split_kernel)
@@ -780,9 +782,11 @@ class _DecodePlan:
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, pdl)
         # the split kernel merges its own partials (no merge kernel) where a pair has at most MERGE_MAX of them (one
-        # one-warp program merges them all: a short tail) and, by default, where there are few pairs (small batches,
-        # whose eager steps are host-bound: one launch fewer; H200, batch 1 at 1k: 22.7 -> 22.2 ms a step, eval/NOTES.md
-        # session 13). KIVI_DECODE_FUSE_MERGE=1: at any batch; 0: never.
+        # one-warp program merges them all: a tail of ~20 us at 129 partials, hidden behind the host in eager steps)
+        # and, by default, where there are few pairs (small batches, whose eager steps are host-bound: one launch
+        # fewer; H200, batch 1 at 1k: 22.7 -> 22.2 ms a step, eval/NOTES.md session 13; at 32k with 129 partials 2.8%
+        # faster, session 14). Never while a CUDA graph is captured (there the GPU time counts: the merge kernel).
+        # KIVI_DECODE_FUSE_MERGE=1: at any batch; 0: never.
         self.merge_meta = None
         fuse = os.environ.get("KIVI_DECODE_FUSE_MERGE", "auto")
         merge_max = int(os.environ.get("KIVI_DECODE_MERGE_MAX", MERGE_MAX))

@@ -40,6 +40,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     is_croppable = True
+    # the device block table gets spare columns (-1) up to a power of two: a decode step's flush that starts a page
+    # column writes it in place, so the table stays the same tensor and the layer's decode runner stays valid (a new
+    # table meant a new runner: an ordinary op call and a plan per layer every other flush, eval/NOTES.md session 14)
+    SPARE_COLUMNS = True
 
     def __init__(self, cfg: QuantConfig):
         super().__init__()
@@ -60,6 +64,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.res_k = self.res_v = None
         self.pending: PendingStep | None = None
         self._dev = None  # cached (block_table, q_lens, r_lens) device tensors
+        self._bt_width = 0  # the columns of the cached device block table that hold pages (the rest: spare, -1)
         self._length_rows = None  # this batch's rows of the shared window-length table (_uniform_lengths)
         if self.pool is not None:
             self.pool.decode_runner = None
@@ -94,11 +99,13 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _device_state(self):
         if self._dev is None:
             width = max(1, max(map(len, self.tables), default=1))
+            cols = 1 << (width - 1).bit_length() if self.SPARE_COLUMNS else width
             # through numpy, not torch.tensor on nested lists (892 sequences: 1.05 -> 0.42 ms, eval/host_probe.py)
-            bt = np.array([t if len(t) == width else t + [-1] * (width - len(t)) for t in self.tables], dtype=np.int32)
+            bt = np.array([t if len(t) == cols else t + [-1] * (cols - len(t)) for t in self.tables], dtype=np.int32)
             r = self.r_lens
+            self._bt_width = width
             self._dev = (
-                self._upload(bt.reshape(len(self.tables), width)),
+                self._upload(bt.reshape(len(self.tables), cols)),
                 self._upload(np.array(self.q_lens, dtype=np.int32)),
                 self._uniform_lengths(r[0]) if _all_equal(r) else self._upload(np.array(r, dtype=np.int32)),
             )
@@ -217,18 +224,29 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if len(seqs) == self.batch_size and self._uniform():  # every window at once
             s, r = self.sinks[0], self.r_lens[0]
             c = self._flush_count(r, s)
-            old = self._dev
-            done = self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c])  # quantized before the shift
+            old, old_width = self._dev, self._bt_width
+            # quantized before the shift; a flush into the pages of the cached table's last column reads their ids
+            # from it (no upload)
+            last = old[0][:, old_width - 1] if old is not None and old_width == len(self.tables[0]) else None
+            done = self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c], last)
             self._window_drop(slice(None), s, r, c)
             self.r_lens = [r - c] * self.batch_size
             width = len(self.tables[0])
-            if old is not None and done is not None and (done[1], old[0].shape[1]) in (("same", width),
-                                                                                        ("append", width - 1)):
+            if old is not None and done is not None and (done[1], old_width) in (("same", width),
+                                                                                  ("append", width - 1)):
                 # a decode step's flush: the device state follows without uploading it again: the quantized lengths
-                # grow by c, the block table keeps its pages or gains the column of pages just written
+                # grow by c, the block table keeps its pages or gains the column of pages just written (in a spare
+                # column: the same tensor; else a wider copy)
                 pages, change = done
-                bt = old[0] if change == "same" else torch.cat([old[0], pages[:, None]], dim=1)
+                bt = old[0]
+                if change == "append":
+                    if width > bt.shape[1]:
+                        spare = (1 << (width - 1).bit_length()) - width if self.SPARE_COLUMNS else 0
+                        bt = torch.cat([bt, pages[:, None], bt.new_full((bt.shape[0], spare), -1)], dim=1)
+                    else:
+                        bt[:, width - 1] = pages
                 self._dev = (bt, old[1].add_(c), self._uniform_lengths(r - c))
+                self._bt_width = width
                 return
         else:
             items = []
@@ -340,11 +358,13 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.q_lens = [q0 + self.cfg.group_size] * b
         return [t[j] for t in tables], slot, change
 
-    def _quantize(self, k_groups, v_groups, pages: list, slots) -> torch.Tensor:
-        """Quantize groups into (pages, slots); ``slots`` a list, or one int for all. Returns the pages on the device.
-        The caller updates or drops the cached device state."""
+    def _quantize(self, k_groups, v_groups, pages: list, slots, pages_dev=None) -> torch.Tensor:
+        """Quantize groups into (pages, slots); ``slots`` a list, or one int for all; ``pages_dev``: the pages already
+        on the device (else uploaded). Returns the pages on the device. The caller updates or drops the cached
+        device state."""
         cfg = self.cfg
-        pages_dev = self._upload(np.array(pages, dtype=np.int32))
+        if pages_dev is None:
+            pages_dev = self._upload(np.array(pages, dtype=np.int32))
         if isinstance(slots, int) and slots <= self.res_k.shape[2] and len(pages) == self.batch_size:
             # one slot for every sequence: a row of the constant table
             slots_dev = self._uniform_lengths(slots)
@@ -372,10 +392,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self._quantize(torch.cat(ks), torch.cat(vs), pages, slots)
         self._dev = None
 
-    def _write_batch(self, kc, vc):
+    def _write_batch(self, kc, vc, last_column=None):
         """Every sequence's next ``c`` tokens (keys/values ``[B, H, c, D]``, c multiple of G), one launch. Drops the
         cached device state; for a decode flush (one group each, same page index) returns the pages on the device
-        and how the tables changed (see :meth:`_reserve_one_group_each`) so the caller may rebuild it in place."""
+        and how the tables changed (see :meth:`_reserve_one_group_each`) so the caller may rebuild it in place.
+        ``last_column``: the cached block table's last page column on the device (the pages of a flush that writes
+        into each sequence's last page, no copy-on-write)."""
         b, h, c, d = kc.shape
         g = self.cfg.group_size
         self._dev = None
@@ -392,7 +414,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         def groups(x):  # [B, H, c, D] -> [B * c/G, H, G, D], sequence-major like pages/slots
             return x.reshape(b, h, c // g, g, d).transpose(1, 2).reshape(b * (c // g), h, g, d)
 
-        pages_dev = self._quantize(groups(kc), groups(vc), pages, slots)
+        same = reserved is not None and change == "same" and last_column is not None
+        pages_dev = self._quantize(groups(kc), groups(vc), pages, slots, last_column if same else None)
         return None if reserved is None else (pages_dev, change)
 
     # -------------------------------------------------------------- attention

@@ -75,6 +75,7 @@ def _(*args):
 class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     is_compileable = True
     is_croppable = False
+    SPARE_COLUMNS = False  # the static step indexes its table by position (clamped to its width): exact columns
 
     def __init__(self, cfg, max_cache_len: int):
         super().__init__(cfg)

@@ -296,7 +296,10 @@ def test_flush_fast_path_matches_the_per_sequence_loop(monkeypatch, shared):
 def test_device_state_kept_through_decode_flushes_equals_a_fresh_upload(shared):
     """A decode step's flush updates the cached block table, quantized and window lengths in place (a new page
     column, lengths + G, a row of the constant length table) instead of uploading them again; at every step they
-    equal a fresh upload, also where beams share pages (copy-on-write forces the upload)."""
+    equal a fresh upload, also where beams share pages (copy-on-write forces the upload). The block table has spare
+    columns up to a power of two: a new page column goes into one in place (the same tensor, so the layer's decode
+    runner stays valid), and the table is replaced only where its width passes a power of two; a flush into the
+    last column's pages reads their ids from the table (no upload)."""
     torch.manual_seed(0)
     cache = QuantizedPagedCache(key_bits=4, value_bits=4, group_size=16, residual_length=16, page_size=48)
     k = torch.randn(3, 2, 60, 32)
@@ -305,13 +308,27 @@ def test_device_state_kept_through_decode_flushes_equals_a_fresh_upload(shared):
     layer.commit(layer.pending)
     if shared:
         cache.batch_repeat_interleave(2)
-    kept = 0
-    for _ in range(100):
+    kept = appends = crossings = replaced = same_flushes = 0
+    uploads = []
+    real_upload = layer._upload
+    layer._upload = lambda a: uploads.append(a) or real_upload(a)
+    steps = 250
+    for _ in range(steps):
         cached = layer._device_state()
+        w0 = len(layer.tables[0])
+        assert cached[0].shape[1] == 1 << (w0 - 1).bit_length() and (cached[0][:, w0:] == -1).all()
         one = torch.randn(layer.batch_size, 2, 1, 32)
+        q0, n_up = layer.q_lens[0], len(uploads)
         cache.update(one, -one, 0)
         layer.commit(layer.pending)
         kept += layer._dev is not None and layer._dev[0] is not None and layer._dev is not cached
+        w1 = len(layer.tables[0])
+        if layer.q_lens[0] != q0 and w1 == w0 and not shared:  # a flush into the last column's pages: no upload
+            same_flushes += 1
+            assert len(uploads) == n_up
+        appends += w1 > w0
+        crossings += (w0 - 1).bit_length() != (w1 - 1).bit_length()
+        replaced += layer._dev is not None and layer._dev[0] is not cached[0]
         now = layer._device_state()
         layer._dev = None
         fresh = layer._device_state()
@@ -319,7 +336,10 @@ def test_device_state_kept_through_decode_flushes_equals_a_fresh_upload(shared):
             assert x.dtype == y.dtype and torch.equal(x, y)
         layer._dev = now  # continue from the kept state
     # every step kept (and updated) the device state, except a flush that copied a shared page (tables changed)
-    assert kept == 100 if not shared else 90 <= kept < 100
+    assert kept == steps if not shared else 0.9 * steps <= kept < steps
+    if not shared:  # new columns mostly written in place
+        assert appends >= 5 and replaced == crossings < appends and same_flushes >= 5, (appends, crossings, replaced,
+                                                                                         same_flushes)
 
 
 def test_window_length_rows_are_views_with_one_alignment():

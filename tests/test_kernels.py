@@ -498,12 +498,12 @@ def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits, merge_ma
             assert not cnt.any()
 
 
-@pytest.mark.parametrize("grp,splits,merge_max,fused", [(4, 15, None, True), (4, 16, None, False),
+@pytest.mark.parametrize("grp,splits,merge_max,fused", [(4, 15, "16", True), (4, 16, "16", False), (4, 16, None, True),
                                                          (4, 130, "256", True), (8, 130, "256", False),
                                                          (4, 130, "100", False), (2, 300, "512", True)])
 def test_in_kernel_merge_plan_limits(monkeypatch, grp, splits, merge_max, fused):
     """Where the split kernel merges (the plan alone, no launch): at most KIVI_DECODE_MERGE_MAX partials (default
-    MERGE_MAX = 16) and GP x BM <= 1024 (the merging program's partial maxima and sums in registers)."""
+    MERGE_MAX = 256) and GP x BM <= 1024 (the merging program's partial maxima and sums in registers)."""
     from kivi_cache.kernels import attention as A
 
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
