@@ -719,7 +719,7 @@ _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIV
              "KIVI_DECODE_MERGE_MAX")
 _plan_env = env_reader(_PLAN_ENV)
 # at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
-# GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: 2.8% faster eager steps (H200, eval/NOTES.md session 14)
+# GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.8% faster (H200, eval/NOTES.md s14)
 MERGE_MAX = 256
 MERGE_PAIRS = 64  # by default the split kernel merges only where (sequences x KV heads) is at most this
 _PLANS: dict = {}  # plan key -> _DecodePlan; the 32 layers of a decode step share one (same shapes)
