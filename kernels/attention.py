@@ -978,12 +978,14 @@ class DecodeRunner:
                  key_bits: int, value_bits: int, group_size: int):
         self.fixed = (block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v)
         self.bits = (key_bits, value_bits, group_size)
-        self._ready: _Ready | None = None
+        # the first runs' launches, one with and one without the step's token (the cache's decode steps pass it, its
+        # flush steps do not: one template would be replaced, with an ordinary call, twice per flush)
+        self._ready: dict[bool, _Ready] = {}
         self.fast_runs = 0  # for tests
 
     def run(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None):
         """Attention of one query token per sequence, ``q`` ``[B, Hq, D]``; returns ``[B, Hq, D]``."""
-        r = self._ready
+        r = self._ready.get(new_k is None)
         if r is not None:
             out = self._launch(r, q, res_lengths, sm_scale, new_k, new_v)
             if out is not None:
@@ -991,7 +993,11 @@ class DecodeRunner:
         bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
         out = paged_decode_attention(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, res_lengths, *self.bits, sm_scale,
                                      new_k=new_k, new_v=new_v)
-        self._ready = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out)
+        r = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out)
+        if r is None:
+            self._ready.pop(new_k is None, None)
+        else:
+            self._ready[new_k is None] = r
         return out
 
     def _launch(self, r: _Ready, q, rl, sm_scale, new_k, new_v):

@@ -412,6 +412,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 self._reserve(i, c, pages, slots)
 
         def groups(x):  # [B, H, c, D] -> [B * c/G, H, G, D], sequence-major like pages/slots
+            if c == g:  # a decode flush: already that shape (no view ops)
+                return x
             return x.reshape(b, h, c // g, g, d).transpose(1, 2).reshape(b * (c // g), h, g, d)
 
         same = reserved is not None and change == "same" and last_column is not None

@@ -329,6 +329,7 @@ def test_device_state_kept_through_decode_flushes_equals_a_fresh_upload(shared):
         appends += w1 > w0
         crossings += (w0 - 1).bit_length() != (w1 - 1).bit_length()
         replaced += layer._dev is not None and layer._dev[0] is not cached[0]
+        assert shared or layer._dev[1] is cached[1]  # the quantized lengths grow in place (the runner keeps them)
         now = layer._device_state()
         layer._dev = None
         fresh = layer._device_state()

@@ -263,5 +263,9 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
         assert run.fast_runs == 2, changed  # the ordinary call
         assert len(jits["split"].launches) + len(jits["split"].compiled.calls) == n + 1
     if new:
-        run.run(q, rl, 0.125)  # without the token: another plan
+        run.run(q, rl, 0.125)  # without the token: another plan (the ordinary call), then its own template
         assert run.fast_runs == 2
+        run.run(q, rl, 0.125)
+        assert run.fast_runs == 3 and jits["split"].compiled.calls[-1][lead + A._A_NK] != extra["new_k"].data_ptr()
+        run.run(q, rl, 0.5, **extra)  # with the token again: its template (the last one, scale 0.5) kept
+        assert run.fast_runs == 4 and jits["split"].compiled.calls[-1][lead + A._A_NK] == extra["new_k"].data_ptr()
