@@ -719,7 +719,7 @@ _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIV
              "KIVI_DECODE_MERGE_MAX")
 _plan_env = env_reader(_PLAN_ENV)
 # at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
-# GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.8% faster (H200, eval/NOTES.md s14)
+# GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.4% faster (H200, eval/NOTES.md s14)
 MERGE_MAX = 256
 MERGE_PAIRS = 64  # by default the split kernel merges only where (sequences x KV heads) is at most this
 _PLANS: dict = {}  # plan key -> _DecodePlan; the 32 layers of a decode step share one (same shapes)
@@ -784,7 +784,7 @@ class _DecodePlan:
         # the split kernel merges its own partials (no merge kernel) where a pair has at most MERGE_MAX of them (one
         # one-warp program merges them all: a tail of ~20 us at 129 partials, hidden behind the host in eager steps)
         # and, by default, where there are few pairs (small batches, whose eager steps are host-bound: one launch
-        # fewer; H200, batch 1 at 1k: 22.7 -> 22.2 ms a step, eval/NOTES.md session 13; at 32k with 129 partials 2.8%
+        # fewer; H200, batch 1 at 1k: 22.7 -> 22.2 ms a step, eval/NOTES.md session 13; at 32k with 129 partials 2.4%
         # faster, session 14). Never while a CUDA graph is captured (there the GPU time counts: the merge kernel).
         # KIVI_DECODE_FUSE_MERGE=1: at any batch; 0: never.
         self.merge_meta = None
