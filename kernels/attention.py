@@ -782,7 +782,8 @@ class _DecodePlan:
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, pdl)
         # the split kernel merges its own partials (no merge kernel) where a pair has at most MERGE_MAX of them (one
-        # one-warp program merges them all: a tail of ~20 us at 129 partials, hidden behind the host in eager steps)
+        # one-warp program merges them all: measured GPU time +16 us at 129-132 partials (split 16.8 + merge kernel 2.8
+        # -> 35.4 us at batch 1 x 8 KV heads x 32k, eval/results/merge_tail_s14e.json), hidden behind the host in eager)
         # and, by default, where there are few pairs (small batches, whose eager steps are host-bound: one launch
         # fewer; H200, batch 1 at 1k: 22.7 -> 22.2 ms a step, eval/NOTES.md session 13; at 32k with 129 partials 2.4%
         # faster, session 14). Never while a CUDA graph is captured (there the GPU time counts: the merge kernel).
