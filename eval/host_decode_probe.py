@@ -45,8 +45,10 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None, on_step=None):
-    """Prefill ``ids``, then ``steps`` one-token forwards. Returns (step seconds, host seconds) lists."""
+def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None, on_step=None, cpu_s=None):
+    """Prefill ``ids``, then ``steps`` one-token forwards. Returns (step seconds, host seconds) lists; ``cpu_s``: a
+    list that gets each step's CPU time of this thread (``time.thread_time``: the host's work, less exposed to its
+    scheduling than wall time)."""
     with torch.no_grad():
         out = model(ids, **cache_kwargs(model, cache), use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
@@ -56,11 +58,14 @@ def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None, on_step=None
         if prof is not None:
             prof.enable()
         for _ in range(steps):
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             out = model(tok, **cache_kwargs(model, cache), use_cache=True,
                         cache_position=torch.tensor([pos], device=dev))
             tok = out.logits[:, -1:].argmax(-1)
             t1 = time.perf_counter()
+            if cpu_s is not None:
+                cpu_s.append(time.thread_time() - c0)
             if wait:
                 sync(dev)
             step_s.append(time.perf_counter() - t0)
@@ -129,16 +134,24 @@ def variants_ab(model, ids, args, dev) -> None:
 
     for name in names:  # warm-up: every variant's kernels compiled
         decode(model, make(name), ids, 4, dev, wait=True)
+    res["cpu_rounds"] = []  # per round and variant: the median thread CPU time of a step (ms)
     for r in range(args.rounds):
-        row = {}
+        row, cpu_row = {}, {}
         for name in (names if r % 2 == 0 else names[::-1]):
-            step_s, _ = decode(model, make(name), ids, args.steps, dev, wait=False)
+            cpu = []
+            step_s, _ = decode(model, make(name), ids, args.steps, dev, wait=False, cpu_s=cpu)
             row[name] = statistics.median(step_s) * 1e3
+            cpu_row[name] = statistics.median(cpu) * 1e3
         res["rounds"].append(row)
-        print(json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
+        res["cpu_rounds"].append(cpu_row)
+        print(json.dumps({k: round(v, 2) for k, v in row.items()}), "cpu",
+              json.dumps({k: round(v, 2) for k, v in cpu_row.items()}), flush=True)
+    fp = "fp16" in names
     res["summary"] = {n: dict(step_ms=statistics.median(x[n] for x in res["rounds"]),
-                              ratio_to_fp16=statistics.median(x[n] / x["fp16"] for x in res["rounds"])
-                              if "fp16" in names else None) for n in names}
+                              ratio_to_fp16=statistics.median(x[n] / x["fp16"] for x in res["rounds"]) if fp else None,
+                              cpu_ms=statistics.median(x[n] for x in res["cpu_rounds"]),
+                              cpu_ratio_to_fp16=statistics.median(x[n] / x["fp16"] for x in res["cpu_rounds"])
+                              if fp else None) for n in names}
     print(json.dumps(res["summary"], indent=1), flush=True)
     if args.out:
         with open(args.out, "w") as f:
