@@ -99,7 +99,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _device_state(self):
         if self._dev is None:
             width = max(1, max(map(len, self.tables), default=1))
-            cols = 1 << (width - 1).bit_length() if self.SPARE_COLUMNS else width
+            cols = self._table_columns(width)
             # through numpy, not torch.tensor on nested lists (892 sequences: 1.05 -> 0.42 ms, eval/host_probe.py)
             bt = np.array([t if len(t) == cols else t + [-1] * (cols - len(t)) for t in self.tables], dtype=np.int32)
             r = self.r_lens
@@ -110,6 +110,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 self._uniform_lengths(r[0]) if _all_equal(r) else self._upload(np.array(r, dtype=np.int32)),
             )
         return self._dev
+
+    def _table_columns(self, width: int) -> int:
+        """Columns of the device block table for tables of ``width`` pages (spare ones up to a power of two)."""
+        return 1 << (width - 1).bit_length() if self.SPARE_COLUMNS else width
 
     def _uniform_lengths(self, r: int) -> torch.Tensor:
         """``[B]`` int32 on the device, every entry ``r`` (0 <= r <= the window's capacity): a row of a constant
@@ -241,8 +245,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 bt = old[0]
                 if change == "append":
                     if width > bt.shape[1]:
-                        spare = (1 << (width - 1).bit_length()) - width if self.SPARE_COLUMNS else 0
-                        bt = torch.cat([bt, pages[:, None], bt.new_full((bt.shape[0], spare), -1)], dim=1)
+                        spare = bt.new_full((bt.shape[0], self._table_columns(width) - width), -1)
+                        bt = torch.cat([bt, pages[:, None], spare], dim=1)
                     else:
                         bt[:, width - 1] = pages
                 self._dev = (bt, old[1].add_(c), self._uniform_lengths(r - c))
