@@ -1,4 +1,4 @@
-# Sourced by the device scripts (eval/session*.sh), from the repository root on the device machine: $OUT, the
+# Sourced by a device command (`. eval/device_env.sh && python eval/...`), from the repository root on the device machine: $OUT, the
 # kivi_cache/kernels link, PYTHONPATH (plus the quanto wheel's /tmp/site when .whl/ was carried), unbuffered
 # output; prints the GPU's name.
 set -u
