@@ -9,8 +9,7 @@ kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending de
          KIVI_DECODE_STAGES or 5; the consts PSTAGES=/RSTAGES= override the loops' depths),
          R (maxnreg, default KIVI_DECODE_MAXNREG or 0 = none; the kernel caps 32-token steps at 128, which this
          script does not: pass R=128 there),
-         DUMP=prefix (write prefix.sass/.ptx/.ttgir), REDUCE=1 (build the merge kernel instead: consts D, DB, BS,
-         BM, PDL)
+         DUMP=prefix (write prefix.sass/.ptx/.ttgir)
     The last line printed is a JSON summary (used by tests/test_sass.py): spills = STL/LDL in the paged loop,
     spills_total = in the whole kernel, warps_per_sm = resident warps the registers allow (steps of 4 on sm_90:
     8 at 169-256 registers, 12 at 129-168, 16 at <= 128).
@@ -42,7 +41,7 @@ PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32",
 
 def compile_kernel(const, warps, stages, maxnreg):
     fn = attention._decode_split_kernel
-    # constexpr parameters with defaults (PDL, NEWKV, MERGE, ...) keep them unless given
+    # constexpr parameters with defaults (NEWKV, MERGE, ...) keep them unless given
     const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
              **const}
     sig, attrs = {}, {}
@@ -107,7 +106,6 @@ def main():
     st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
-    const.setdefault("PDL", 0)  # a constexpr with a default: unnamed here it would be built as an i32 argument
     warps = int(os.environ.get("W", 1))
     k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
@@ -140,23 +138,9 @@ def main():
                           shared=smem, loop_waits=waits, spills_total=total,
                           loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
                           hmma=sum(v for k, v in c.items() if k.startswith("HMMA")),
-                          griddepcontrol=k.asm["ptx"].count("griddepcontrol."),
                           atom_acq_rel_gpu=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", k.asm["ptx"])),
                           ld_cg=len(re.findall(r"ld\.global\.cg", k.asm["ptx"])))))
 
 
-def reduce_main():
-    """``REDUCE=1``: build the merge kernel instead (consts D, DB, BS, BM, PDL); JSON with its PTX's
-    griddepcontrol count."""
-    const = dict(D=128, DB=32, BS=128, BM=256, PDL=0)
-    const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
-    fn = attention._decode_reduce_kernel
-    sig = {n: ("*fp32" if n.endswith("_ws") else "*fp16" if n == "out_ptr" else
-               "constexpr" if n in const else "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={n: const[n] for n in fn.arg_names if n in const})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    print(json.dumps(dict(griddepcontrol=k.asm["ptx"].count("griddepcontrol."))))
-
-
 if __name__ == "__main__":
-    reduce_main() if os.environ.get("REDUCE") == "1" else main()
+    main()

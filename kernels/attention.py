@@ -53,7 +53,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import _util
 from ._util import (
@@ -254,7 +253,6 @@ def _decode_split_kernel(
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
     PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (_pdl(): 0 off, 1 reduce overlaps, 2 also this kernel)
     NEWKV: tl.constexpr = 0,  # the window's newest token (rlen - 1) is first written from nk/nv (the op's new_k/v)
     MERGE: tl.constexpr = 0,  # the last program of a (sequence, KV head) merges the partials into out (no 2nd kernel)
     BM: tl.constexpr = 1,  # MERGE: next power of two of NS + 1
@@ -266,10 +264,6 @@ def _decode_split_kernel(
     channels (``S = sum_k Q_k K_k^T``), values in sub-tiles of ``W = min(G, DV)`` channels, one
     accumulator each (``acc_i += P V_i``), so every value sub-tile lies inside one value group and
     one plane and its per-token scales broadcast from a ``[G, 1, 1]`` tile."""
-    if PDL >= 2:  # launched early (programmatic dependent launch): wait for the kernels before it
-        gdc_wait()
-    if PDL >= 1:  # the merge kernel may launch (and wait) once every program of this one has started
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // Hkv
@@ -542,15 +536,10 @@ def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, 
 
 @triton.jit
 def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
-                          D: tl.constexpr, DB: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-                          PDL: tl.constexpr = 0):
+                          D: tl.constexpr, DB: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
     """Program (row, dc): channels ``[dc * DB, (dc + 1) * DB)`` of one (sequence, query head).
     The global max and the sum of weights come from one load of all ``NSP1`` (<= BM) partial maxima,
-    so the accumulation loop has no running rescale and its loads do not wait on each other.
-    ``PDL``: launched while the split kernel still runs; waits here until its partials are written."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()  # a kernel launched after this one with PDL may start its prologue
+    so the accumulation loop has no running rescale and its loads do not wait on each other."""
     row = tl.program_id(0).to(tl.int64)
     dc = tl.program_id(1)
     b = row // Hq
@@ -575,33 +564,22 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def _reduce_launch(rows: int, nsp1: int, d: int, pdl: int):
+def _reduce_launch(rows: int, nsp1: int, d: int):
     """Grid and compile-time settings of the merge kernel. Grid ``(B * Hq, D / DB)``: batch 1 still gets
     ``Hq * D / 32`` programs (one per row was 32 serial programs at batch 1, each looping over hundreds of
     splits). 32-channel programs while rows are few (batch 1: 16.8 -> 4.0 us at 257 splits); whole rows from
     512 rows on (1024 rows x 13 splits: 6.8 us split, 5.6 whole; eval/results/reduce_probe.json)."""
     db = min(d, 32) if rows < 512 else d
     bs = max(1, min(triton.next_power_of_2(nsp1), 4096 // db))
-    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4,
-                **({"PDL": 1, "launch_pdl": True} if pdl else {}))
+    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4)
     return (rows, d // db), meta
 
 
-def decode_reduce(ws_m, ws_l, ws_o, out, hq: int, pdl: int = 0) -> None:
+def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
     """Merge ``ws_*`` (``[B * Hq, NS + 1(, D)]`` fp32 partial max / sum / output) into ``out`` ``[B, Hq, D]``."""
     rows, nsp1, d = ws_o.shape
-    grid, meta = _reduce_launch(rows, nsp1, d, pdl)
+    grid, meta = _reduce_launch(rows, nsp1, d)
     _decode_reduce_kernel[grid](ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq, **meta)
-
-
-def _pdl(device) -> int:
-    """Programmatic dependent launch (sm_90+, env ``KIVI_DECODE_PDL``; off by default until measured): 1 = the
-    merge kernel is launched while the split kernel runs and waits on the device (its launch latency hidden),
-    2 = the split kernel too is launched early and waits for the kernel before it."""
-    n = int(os.environ.get("KIVI_DECODE_PDL", 0))
-    if not n or interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return 0
-    return min(n, 2)
 
 
 def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
@@ -714,7 +692,7 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 
 # Environment settings a decode plan depends on (read once per call: a test may change them between calls).
 _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
-             "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_PDL", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
+             "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
              "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
              "KIVI_DECODE_MERGE_MAX")
 _plan_env = env_reader(_PLAN_ENV)
@@ -771,16 +749,14 @@ class _DecodePlan:
         rkey = (q.device.index, *meta.items())
         ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
                                         _RESIDENT.get(rkey, RESIDENT_DEFAULT))
-        pdl = _pdl(q.device)
-        self.meta = dict(meta, **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}),
-                         **({"NEWKV": 1} if newkv else {}))
+        self.meta = dict(meta, **({"NEWKV": 1} if newkv else {}))
         self.grid = (bsz * hkv, ns + 1)
         self.rows, self.nsp1, self.rkey = bsz * hq, ns + 1, rkey
         # the split kernel's integer arguments: fixed by the key (its strides, head counts, splits)
         self.ints = (hkv, ns, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0), kw.stride(1),
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
-        self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, pdl)
+        self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d)
         # the split kernel merges its own partials (no merge kernel) where a pair has at most MERGE_MAX of them (one
         # one-warp program merges them all: measured GPU time +16 us at 129-132 partials (split 16.8 + merge kernel 2.8
         # -> 35.4 us at batch 1 x 8 KV heads x 32k, eval/results/merge_tail_s14e.json), hidden behind the host in eager)
@@ -792,7 +768,7 @@ class _DecodePlan:
         fuse = os.environ.get("KIVI_DECODE_FUSE_MERGE", "auto")
         merge_max = int(os.environ.get("KIVI_DECODE_MERGE_MAX", MERGE_MAX))
         bm = triton.next_power_of_2(self.nsp1)
-        if ((fuse == "1" or (fuse == "auto" and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= merge_max and not pdl
+        if ((fuse == "1" or (fuse == "auto" and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= merge_max
                 and gp * bm <= 1024):  # the merging program holds all [GP, BM] partial maxima and sums in registers
             self.merge_meta = dict(self.meta, MERGE=1, BM=bm, BSM=max(1, min(bm, 2048 // (gp * d))))
         self.pairs, self.counters = bsz * hkv, {}  # MERGE: arrival counts per stream, zero between calls

@@ -91,47 +91,6 @@ def test_static_cache_compiles_in_generate_and_matches_eager():
     assert agree > 0.95 and torch.equal(out, again)
 
 
-@pytest.mark.parametrize("pdl", ["1", "2"])
-def test_programmatic_dependent_launch_gives_identical_outputs(monkeypatch, pdl):
-    """KIVI_DECODE_PDL (opt-in, sm_90+): the merge kernel launched early waits for the partials on the device;
-    outputs equal the default launch bit for bit, eagerly and replayed from a CUDA graph (where many decode
-    calls follow each other, so a missing wait would read the previous call's partials)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    bk = _bench_kernels()
-    decode_args, make_pool = bk.decode_args, bk.make_pool
-
-    from kivi_cache import kernels as KK
-
-    outs = {}
-    for setting in ("0", pdl):
-        monkeypatch.setenv("KIVI_DECODE_PDL", setting)
-        got = []
-        for b, hkv, ctx in ((1, 8, 40960), (3, 4, 3000)):
-            g0 = torch.Generator(device="cuda").manual_seed(b)
-            pool = make_pool(b, hkv, ctx, 128, 64, 32, 4, 4, torch.device("cuda"), g0)
-            q = torch.randn(b, 32, 128, device="cuda", dtype=torch.float16, generator=g0)
-            rk = torch.randn(b, hkv, 160, 128, device="cuda", dtype=torch.float16, generator=g0)
-            rv = torch.randn(rk.shape, device="cuda", dtype=torch.float16, generator=g0)
-            rl = torch.full((b,), 100, device="cuda", dtype=torch.int32)
-            args = decode_args(pool, q, rk, rv, rl, 4, 4, 32, 0.088)
-            got.append(KK.paged_decode_attention(*args))
-            outs_g = [torch.empty_like(got[-1]) for _ in range(4)]
-            KK.paged_decode_attention(*args, out=outs_g[0])  # warm (compile) outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for o in outs_g:
-                    KK.paged_decode_attention(*args, out=o)
-            for o in outs_g:
-                o.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            got += outs_g
-        outs[setting] = got
-    for a, b in zip(outs["0"], outs[pdl], strict=True):
-        assert torch.equal(a, b)
-
-
 def test_decode_steps_never_synchronize_the_gpu_from_the_cache():
     """Eager decoding keeps the host ahead of the GPU: across a generate with group flushes (unpadded and
     left-padded batches) no synchronizing CUDA call comes from kivi_cache's code (torch's sync debug mode

@@ -99,25 +99,6 @@ def test_decode_kernel_builds_for_8bit_values_and_one_query_per_head():
     assert r["spills"] == 0 and r["hmma"] > 0
 
 
-def test_programmatic_dependent_launch_builds_and_leaves_the_loop_alone():
-    """KIVI_DECODE_PDL (sm_90+, opt-in): the split kernel lets the merge kernel launch early (1) and itself waits
-    for its predecessor (2); the merge kernel waits for the partials. The paged loop is the same code."""
-    base, one, two = sass(), sass("PDL=1"), sass("PDL=2")
-    assert (base["griddepcontrol"], one["griddepcontrol"], two["griddepcontrol"]) == (0, 1, 2)
-    assert base["instructions"] == one["instructions"] == two["instructions"]
-    for pdl, want in ((0, 0), (1, 2)):  # the merge kernel (REDUCE=1): waits, then lets its successor launch
-        assert sass(f"PDL={pdl}", REDUCE="1")["griddepcontrol"] == want
-
-
-def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
-    import torch
-
-    from kivi_cache.kernels import attention
-
-    monkeypatch.setenv("KIVI_DECODE_PDL", "2")
-    assert attention._pdl(torch.device("cpu")) == 0
-
-
 @pytest.mark.parametrize("consts", [(), ("KBITS=2", "VBITS=4", "SDT=bf16", "DT=bf16"),
                                     ("KBITS=8", "VBITS=8", "SDT=fp32", "DT=fp32", "SPLIT=0"),
                                     ("KBITS=2", "VBITS=2", "D=64", "G=64")])
