@@ -43,3 +43,17 @@ def test_bench_config_row_with_graph_columns_below_threshold():
                      2 * b * hkv * ctx * d * 2, dev, gen, mod.timer(dev), 1e11, 1, True,
                      tm_graph=fake_graph_timer, graph_below=0.0)
     assert not [k for k in row2 if k.endswith("_graph_ms")]
+
+
+def test_graph_gap_probe_quick_run(monkeypatch, tmp_path):
+    """eval/graph_gap.py on the CPU interpreter: both kernels timed by the eager burst, JSON written."""
+    script = SCRIPT.parent / "graph_gap.py"
+    out = tmp_path / "gap.json"
+    monkeypatch.setattr("sys.argv", [str(script), "--quick", "--calls", "1", "--out", str(out)])
+    spec = importlib.util.spec_from_file_location("graph_gap_mod", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main()
+    assert set(res["rows"]) == {"fp16_sdpa", "kivi"}
+    assert all(r["eager_burst"]["ms"] > 0 for r in res["rows"].values())
+    assert out.exists()
