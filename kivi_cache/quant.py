@@ -42,6 +42,8 @@ Packed layouts (shared with the kernels), ``n = 8 // bits`` codes per byte:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -161,10 +163,29 @@ def unpack_tokens(packed: torch.Tensor, bits: int) -> torch.Tensor:
     tw = 4 * n
     *lead, c, nb = packed.shape
     t = nb * n
-    x = packed.reshape(*lead, c, t // tw, 4)  # uint8 throughout
-    out = torch.empty(*lead, c, t // tw, n, 2, 2, dtype=torch.uint8, device=packed.device)
-    for k in range(n):
-        for q in range(2):
-            for h in range(2):
-                out[..., k, q, h] = (x[..., q + 2 * h] >> (k * bits)) & qmax(bits)
-    return out.reshape(*lead, c, t)
+    if sys.byteorder != "little":  # the word view below reads byte p at bits 8p
+        x = packed.reshape(*lead, c, t // tw, 4)
+        out = torch.empty(*lead, c, t // tw, n, 2, 2, dtype=torch.uint8, device=packed.device)
+        for k in range(n):
+            for q in range(2):
+                for h in range(2):
+                    out[..., k, q, h] = (x[..., q + 2 * h] >> (k * bits)) & qmax(bits)
+        return out.reshape(*lead, c, t)
+    # each 4-byte word as one int32; token tw w + 4k + 2q + h sits at bit 8 (q + 2h) + k bits: one shift by a vector
+    # of tw shifts gives a word's tokens in order (1.7-2.2x faster on the CPU than a loop over the bit fields)
+    words = packed.reshape(*lead, c, t // tw, 4).contiguous().view(torch.int32)  # [..., C, W, 1]
+    return ((words >> _token_shifts(bits, packed.device)) & qmax(bits)).to(torch.uint8).reshape(*lead, c, t)
+
+
+_SHIFTS: dict = {}
+
+
+def _token_shifts(bits: int, device) -> torch.Tensor:
+    """int32 ``[32 // bits]``: the bit offset in its word of each token of the word, in token order."""
+    key = (bits, device)
+    s = _SHIFTS.get(key)
+    if s is None:
+        n = 8 // bits
+        s = _SHIFTS[key] = torch.tensor([8 * (q + 2 * h) + k * bits for k in range(n) for q in range(2)
+                                         for h in range(2)], dtype=torch.int32, device=device)
+    return s

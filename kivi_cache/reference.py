@@ -98,10 +98,11 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     vc = unpack_tokens(v_codes[pages], value_bits)  # [B, np, H, D, P]
     v = dequantize_values(vc.permute(0, 2, 1, 4, 3).reshape(b, h, npages * p, d), gather_t(v_scale),
                           gather_t(v_zero), group_size)
-    valid = torch.arange(npages * p, device=lengths.device)[None, :] < lengths[:, None].long()
-    valid = valid[:, None, :, None]
-    k = torch.where(valid, k, 0)[:, :, :t]
-    v = torch.where(valid, v, 0)[:, :, :t]
+    k, v = k[:, :, :t], v[:, :, :t]
+    if bool((lengths.long() < t).any()):  # a sequence shorter than t: zero its positions past its length
+        valid = (torch.arange(t, device=lengths.device)[None, :] < lengths[:, None].long())[:, None, :, None]
+        k = torch.where(valid, k, 0)
+        v = torch.where(valid, v, 0)
     return k, v
 
 

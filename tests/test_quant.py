@@ -102,3 +102,23 @@ def test_paged_write_then_dequantize_matches_direct_quantization():
     c, s, z = quant.quantize_values(v[2], vb, g)
     assert torch.allclose(dv[1, :, :32], quant.dequantize_values(c, s, z, g))
     assert (dk[1, :, 32:] == 0).all()
+
+
+def test_dequantize_pages_zeroes_positions_past_each_length_over_poisoned_pages():
+    """Slots past a sequence's length hold anything (here NaN scales): the reference returns zeros there, for the
+    shorter sequences of a batch and for a max_len past every length; equal lengths need no masking."""
+    h, d, g, p, kb, vb = 2, 64, 32, 64, 4, 4
+    pool = [torch.randint(0, 256, (4, h, p, d * kb // 8), dtype=torch.uint8),
+            torch.full((4, h, p // g, d), float("nan")), torch.full((4, h, p // g, d), float("nan")),
+            torch.randint(0, 256, (4, h, d, p * vb // 8), dtype=torch.uint8),
+            torch.full((4, h, d // g, p), float("nan")), torch.full((4, h, d // g, p), float("nan"))]
+    k = torch.randn(3, h, g, d)
+    ref.quantize_and_write(k, k, torch.tensor([2, 2, 0]), torch.tensor([0, 32, 0]), *pool, kb, vb, g)
+    bt = torch.tensor([[2], [0]])
+    dk, dv = ref.dequantize_pages(bt, torch.tensor([64, 32]), *pool, kb, vb, g)
+    assert not dk.isnan().any() and not dv.isnan().any()
+    assert (dk[1, :, 32:] == 0).all() and (dv[1, :, 32:] == 0).all()
+    dk, dv = ref.dequantize_pages(bt[:1], torch.tensor([32]), *pool, kb, vb, g, max_len=64)
+    assert (dk[0, :, 32:] == 0).all() and (dv[0, :, 32:] == 0).all() and not dk.isnan().any()
+    dk, _ = ref.dequantize_pages(bt, torch.tensor([32, 32]), *pool, kb, vb, g)  # equal lengths: no masking needed
+    assert dk.shape[2] == 32 and not dk.isnan().any()
