@@ -163,15 +163,7 @@ def unpack_tokens(packed: torch.Tensor, bits: int) -> torch.Tensor:
     tw = 4 * n
     *lead, c, nb = packed.shape
     t = nb * n
-    if sys.byteorder != "little":  # the word view below reads byte p at bits 8p
-        x = packed.reshape(*lead, c, t // tw, 4)
-        out = torch.empty(*lead, c, t // tw, n, 2, 2, dtype=torch.uint8, device=packed.device)
-        for k in range(n):
-            for q in range(2):
-                for h in range(2):
-                    out[..., k, q, h] = (x[..., q + 2 * h] >> (k * bits)) & qmax(bits)
-        return out.reshape(*lead, c, t)
-    # each 4-byte word as one int32; token tw w + 4k + 2q + h sits at bit 8 (q + 2h) + k bits: one shift by a vector
+    # each 4-byte word as one int32; token tw w + 4k + 2q + h sits in byte q + 2h at bit k bits: one shift by a vector
     # of tw shifts gives a word's tokens in order (1.7-2.2x faster on the CPU than a loop over the bit fields)
     words = packed.reshape(*lead, c, t // tw, 4).contiguous().view(torch.int32)  # [..., C, W, 1]
     return ((words >> _token_shifts(bits, packed.device)) & qmax(bits)).to(torch.uint8).reshape(*lead, c, t)
@@ -186,6 +178,7 @@ def _token_shifts(bits: int, device) -> torch.Tensor:
     s = _SHIFTS.get(key)
     if s is None:
         n = 8 // bits
-        s = _SHIFTS[key] = torch.tensor([8 * (q + 2 * h) + k * bits for k in range(n) for q in range(2)
+        byte = (lambda i: i) if sys.byteorder == "little" else (lambda i: 3 - i)  # byte i of the word at bits 8 byte(i)
+        s = _SHIFTS[key] = torch.tensor([8 * byte(q + 2 * h) + k * bits for k in range(n) for q in range(2)
                                          for h in range(2)], dtype=torch.int32, device=device)
     return s
