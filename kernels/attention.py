@@ -861,7 +861,7 @@ def _reduce_args(plan, ws_m, ws_l, ws_o, out, hq: int) -> tuple:
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, num_splits: int | None = None, out=None, new_k=None, new_v=None,
-                           _force_half_dot: bool = False, _plain: bool = False):
+                           merge: bool = True, _force_half_dot: bool = False, _plain: bool = False):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
 
     ``new_k``/``new_v`` (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``): the step's own token, which the kernel writes into the
@@ -875,7 +875,11 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     benchmarks. Everything that depends only on shapes and settings is planned once per key
     (:class:`_DecodePlan`); a call then allocates one workspace and makes two launches, or one where the split
     kernel's last program of each (sequence, KV head) merges the partials: at most ``MERGE_MAX`` of them and, unless
-    ``KIVI_DECODE_FUSE_MERGE=1`` (``0``: never), at most ``MERGE_PAIRS`` pairs; not while a CUDA graph is captured.
+    ``KIVI_DECODE_FUSE_MERGE=1`` (``0``: never), at most ``MERGE_PAIRS`` pairs; not while a CUDA graph is captured,
+    nor with ``merge=False``. The in-kernel merge keeps one small tensor of arrival counts per plan and stream
+    (allocated by its first call): a caller whose allocations must not outlive the call passes ``merge=False``, e.g.
+    a step compiled by ``torch.compile`` with CUDA graphs, whose warm-up runs allocate from the graphs' private pool
+    and whose recording fails on a tensor of that pool kept alive (``StaticQuantizedPagedCache`` does).
     :class:`DecodeRunner` plans once for many calls.
     """
     if q.stride(-1) != 1:
@@ -911,7 +915,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if bsz == 0 or hq == 0:
         return out
     ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
-    merge = plan.merge_meta is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    merge = merge and plan.merge_meta is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
     cnt = _counts(plan, q.device) if merge else res_lengths  # res_lengths: a placeholder pointer unless merging
     fast_key = (key, merge) if plan.final else None
     kernel = _SPLIT(fast_key, plan.grid, _split_args(

@@ -99,9 +99,13 @@ def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_si
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
-                           group_size, sm_scale, new_k=None, new_v=None):
-    """``new_k``/``new_v``: the step's token, written into the window (at ``res_lengths - 1``) by the op itself."""
+                           group_size, sm_scale, new_k=None, new_v=None, merge=True):
+    """``new_k``/``new_v``: the step's token, written into the window (at ``res_lengths - 1``) by the op itself.
+    ``merge=False``: the kernels never merge partials in the split kernel (which keeps arrival counts allocated
+    by its first call): for a compiled step whose CUDA graphs own every allocation it makes."""
     extra = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
+    if not merge:
+        extra["merge"] = False
     return _call("paged_decode_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
                  res_lengths, key_bits, value_bits, group_size, sm_scale, **extra)
 

@@ -138,13 +138,14 @@ def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float, new_k=None, new_v=None):
+                           sm_scale: float, new_k=None, new_v=None, merge: bool = True):
     """One query token per sequence over its quantized pages and residual window.
 
     q: ``[B, Hq, D]``; res_k/res_v: ``[B, Hkv, C, D]`` full precision with
     ``res_lengths[b]`` valid tokens; lengths: quantized tokens per sequence.
     ``new_k``/``new_v`` (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``, optional): the step's own token, written into the
     window at ``res_lengths[b] - 1`` (in place; the lengths already count it) before attending.
+    ``merge`` (the kernels' choice of where partial results are merged) changes nothing here.
     Returns ``[B, Hq, D]`` in q's dtype.
     """
     if new_k is not None:

@@ -12,7 +12,10 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
 * the flush of a full group is done every step without a host branch: sequences whose
   window is not full write their group to a scratch page;
 * the paged ops are ``torch.library`` custom ops (``kivi_cache::paged_decode_attention``,
-  ``kivi_cache::quantize_and_write``), opaque to the compiler and captured whole by CUDA graphs;
+  ``kivi_cache::quantize_and_write``), opaque to the compiler and captured whole by CUDA graphs; the decode op
+  always merges the partial results in a second kernel (``merge=False``): the in-kernel merge's arrival counts,
+  allocated by a first call, would come from the CUDA graphs' pool during inductor's warm-up and outlive it, which
+  the graphs' recording refuses (GPU, session 16);
 * attention finds its layer through the attention module it is called for (the cache binds
   itself to the model's attention modules: one static cache per model at a time).
 
@@ -47,7 +50,7 @@ def _decode_op(q: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor
                key_bits: int, value_bits: int, group_size: int, sm_scale: float) -> torch.Tensor:
     return ops.paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                       res_k=res_k, res_v=res_v, res_lengths=res_lengths, key_bits=key_bits,
-                                      value_bits=value_bits, group_size=group_size, sm_scale=sm_scale)
+                                      value_bits=value_bits, group_size=group_size, sm_scale=sm_scale, merge=False)
 
 
 @_decode_op.register_fake

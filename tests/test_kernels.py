@@ -496,6 +496,35 @@ def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
             assert not cnt.any()
 
 
+def test_compiled_mode_op_never_merges_in_the_kernel(monkeypatch):
+    """The custom op of the compiled mode (``StaticQuantizedPagedCache``) passes ``merge=False``: where the default
+    would merge in the split kernel (a small batch), it launches the merge kernel instead and allocates no arrival
+    counts. A count tensor allocated by a first call and kept by the plan made generate fail on the GPU: inductor's
+    CUDA graphs run their warm-up in the graphs' own memory pool, and recording refused the pool tensor kept alive
+    ("tensor(s) in the cudagraph pool not tracked as outputs", session 16). Same output as the reference and as the
+    op with the in-kernel merge."""
+    from kivi_cache import ops
+    from kivi_cache import static  # noqa: F401  (registers torch.ops.kivi_cache.*)
+    from kivi_cache.kernels import attention as A
+
+    args = decode_case(2, 2, 4, 64, 64, 32, 4, 4, torch.float32, [150, 64], [7, 33], c=48)
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "auto")
+    launched = []
+    real = A._REDUCE
+    monkeypatch.setattr(A, "_REDUCE", lambda *a: launched.append(1) or real(*a))
+    monkeypatch.setattr(ops, "_backend", "triton")
+    A._PLANS.clear()
+    out = torch.ops.kivi_cache.paged_decode_attention(*args)
+    assert launched == [1]
+    plans = list(A._PLANS.values())
+    assert plans and all(p.merge_meta is not None for p in plans)  # the default would merge here...
+    assert all(not p.counters for p in plans)  # ...but no counts were allocated
+    assert rel_err(out, R.paged_decode_attention(*args), "compiled-mode op") < TOL[torch.float32]
+    fused = K.paged_decode_attention(*args)  # the plain op does merge in the kernel (no second launch)
+    assert launched == [1] and any(p.counters for p in A._PLANS.values())
+    assert rel_err(out, fused, "compiled-mode op vs in-kernel merge") < 1e-5
+
+
 @pytest.mark.parametrize("grp,splits,merge_max,fused", [(4, 15, "16", True), (4, 16, "16", False), (4, 16, None, True),
                                                          (4, 130, "256", True), (8, 130, "256", False),
                                                          (4, 130, "100", False), (2, 300, "512", True)])
