@@ -503,8 +503,7 @@ def test_compiled_mode_op_never_merges_in_the_kernel(monkeypatch):
     CUDA graphs run their warm-up in the graphs' own memory pool, and recording refused the pool tensor kept alive
     ("tensor(s) in the cudagraph pool not tracked as outputs", session 16). Same output as the reference and as the
     op with the in-kernel merge."""
-    from kivi_cache import ops
-    from kivi_cache import static  # noqa: F401  (registers torch.ops.kivi_cache.*)
+    from kivi_cache import ops, static  # noqa: F401  (static registers torch.ops.kivi_cache.*)
     from kivi_cache.kernels import attention as A
 
     args = decode_case(2, 2, 4, 64, 64, 32, 4, 4, torch.float32, [150, 64], [7, 33], c=48)
