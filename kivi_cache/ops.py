@@ -104,10 +104,8 @@ def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_len
     ``merge=False``: the kernels never merge partials in the split kernel (which keeps arrival counts allocated
     by its first call): for a compiled step whose CUDA graphs own every allocation it makes."""
     extra = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
-    if not merge:
-        extra["merge"] = False
     return _call("paged_decode_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
-                 res_lengths, key_bits, value_bits, group_size, sm_scale, **extra)
+                 res_lengths, key_bits, value_bits, group_size, sm_scale, merge=merge, **extra)
 
 
 def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
