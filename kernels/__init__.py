@@ -27,10 +27,11 @@ def available() -> bool:
 
 from .attention import DecodeRunner, paged_decode_attention, paged_prefix_attention  # noqa: E402
 from .dequant import dequantize_pages  # noqa: E402
-from .quantize import quantize_and_write  # noqa: E402
+from .quantize import append_and_flush, quantize_and_write  # noqa: E402
 
 __all__ = [
     "DecodeRunner",
+    "append_and_flush",
     "available",
     "dequantize_pages",
     "paged_decode_attention",

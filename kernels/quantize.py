@@ -160,3 +160,123 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
 
 _quant_env = env_reader(("KIVI_QUANT_SPLIT", "KIVI_QUANT_WARPS"))
 _QUANT = Launcher(_quantize_write_kernel)
+
+
+# ----------------------------------------------------------------------------- append and flush (compiled decode step)
+
+
+@triton.jit
+def _append_flush_kernel(
+    nk_ptr, nv_ptr, rk_ptr, rv_ptr, rlen_ptr, sink_ptr, qlen_ptr, bt_ptr,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    s_nkb, s_nkh, s_nvb, s_nvh, s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt, s_btb, bt_width,
+    R, S, P,
+    s_kcp, s_kch, s_kct,
+    s_ksp, s_ksh, s_ksg,
+    s_vcp, s_vch, s_vct,
+    s_vsp, s_vsh, s_vst,
+    G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr, RECIP: tl.constexpr,
+):
+    """Program (b, h, part): part 0 the keys, 1 the values of sequence b, KV head h. Writes the step's token at
+    ``rlen[b]``; if the window is then full (R + G tokens behind the sinks), quantizes its oldest group (the G tokens
+    behind the sinks) into the sequence's page at ``qlen[b]`` and moves the R tokens after it G places down."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    part = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    r = tl.load(rlen_ptr + b).to(tl.int32)
+    s = tl.load(sink_ptr + b).to(tl.int32)
+    s = tl.where(s < S, s + 1, s)  # a token arriving while the sinks are not all there is a sink
+    full = r + 1 - s >= R + G
+    d = tl.arange(0, D)
+    if part == 0:
+        src = nk_ptr + b64 * s_nkb + h * s_nkh
+        win = rk_ptr + b64 * s_rkb + h * s_rkh
+        s_t = s_rkt
+    else:
+        src = nv_ptr + b64 * s_nvb + h * s_nvh
+        win = rv_ptr + b64 * s_rvb + h * s_rvh
+        s_t = s_rvt
+    tl.store(win + r * s_t + d, tl.load(src + d))
+    if full:
+        tl.debug_barrier()  # the token is in the window before any thread reads it (the group holds it when R = 0)
+        q = tl.load(qlen_ptr + b).to(tl.int64)
+        page = tl.load(bt_ptr + b64 * s_btb + tl.minimum(q // P, bt_width - 1)).to(tl.int64)
+        slot = q % P
+        t = tl.arange(0, G)[:, None]
+        if part == 0:  # keys: per channel over the G tokens
+            x = tl.load(win + (s + t) * s_t + d[None, :])
+            scale, zero, codes = _quantize_axis(x.to(tl.float32), 0, (1 << KBITS) - 1, ks_ptr.dtype.element_ty,
+                                                BUMP_K, RECIP)
+            ks_off = page * s_ksp + h * s_ksh + (slot // G) * s_ksg + d
+            tl.store(ks_ptr + ks_off, scale)
+            tl.store(kz_ptr + ks_off, zero)
+            _pack_store(codes, kc_ptr + page * s_kcp + h * s_kch, (slot + t) * s_kct, G, D, KBITS)
+        else:  # values: per token over groups of G channels
+            NGV: tl.constexpr = D // G
+            t3 = tl.arange(0, G)[:, None, None]
+            g3 = tl.arange(0, NGV)[None, :, None]
+            y = tl.load(win + (s + t3) * s_t + g3 * G + tl.arange(0, G)[None, None, :])
+            vscale, vzero, vcodes = _quantize_axis(y.to(tl.float32), 2, (1 << VBITS) - 1, vs_ptr.dtype.element_ty,
+                                                   BUMP_V, RECIP)
+            vs_off = page * s_vsp + h * s_vsh + (slot + t) + tl.arange(0, NGV)[None, :] * s_vst
+            tl.store(vs_ptr + vs_off, vscale)
+            tl.store(vz_ptr + vs_off, vzero)
+            _pack_tokens_store(tl.reshape(vcodes, [G, D]), vc_ptr + page * s_vcp + h * s_vch, slot, s_vct, G, D,
+                               VBITS)
+        # the R tokens after the group move G places down, G at a time in ascending order: a chunk's rows are
+        # stored (after every thread has loaded them: the barrier) where only rows already read came from
+        for c0 in range(0, R, G):
+            rows = c0 + t
+            m = rows < R
+            chunk = tl.load(win + (s + G + rows) * s_t + d[None, :], mask=m)
+            tl.debug_barrier()
+            tl.store(win + (s + rows) * s_t + d[None, :], chunk, mask=m)
+
+
+def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes, k_scale,
+                     k_zero, v_codes, v_scale, v_zero, key_bits: int, value_bits: int, group_size: int,
+                     residual_length: int, sink_length: int) -> None:
+    """Triton twin of :func:`kivi_cache.reference.append_and_flush` (same arguments, in place): one launch, grid
+    ``(B, H, 2)``; the lengths are read, never written."""
+    bsz, h, cap, d = res_k.shape
+    if bsz == 0:
+        return
+    check_head_dim(d)
+    check_bits(key_bits, value_bits)
+    check_group(d, group_size, k_codes.shape[2])
+    if new_k.dim() == 4:
+        new_k, new_v = new_k.select(2, 0), new_v.select(2, 0)
+    if tuple(new_k.shape) != (bsz, h, d) or tuple(new_v.shape) != (bsz, h, d):
+        raise ValueError(f"new_k/new_v must be [B, H, D] = {[bsz, h, d]} (or [B, H, 1, D]); got "
+                         f"{list(new_k.shape)} and {list(new_v.shape)}")
+    if tuple(res_v.shape) != tuple(res_k.shape) or cap < sink_length + residual_length + group_size:
+        raise ValueError(f"res_k/res_v must be [B, H, >= sink_length + residual_length + group_size, D]; got "
+                         f"{list(res_k.shape)} and {list(res_v.shape)}")
+    new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
+    new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
+    for t in (res_k, res_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table):
+        if t.stride(-1) != 1:
+            raise ValueError("window, pool and block-table tensors must have a contiguous last dimension")
+    meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
+                BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
+                RECIP=res_k.device.type == "cuda", num_warps=4)
+    key = (new_k.shape, new_k.stride(), new_v.stride(), new_k.dtype, res_k.shape, res_k.stride(), res_v.stride(),
+           res_k.dtype, res_lengths.dtype, sink_lengths.dtype, lengths.dtype, block_table.shape, block_table.stride(),
+           block_table.dtype, k_codes.shape, k_codes.stride(), k_scale.stride(), k_scale.dtype, k_zero.stride(),
+           k_zero.dtype, v_codes.stride(), v_scale.stride(), v_scale.dtype, v_zero.stride(), v_zero.dtype,
+           residual_length, sink_length, tuple(meta.items()))
+    _APPEND(key, (bsz, h, 2), (
+        new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), res_k.stride(0), res_k.stride(1),
+        res_k.stride(2), res_v.stride(0), res_v.stride(1), res_v.stride(2), block_table.stride(0),
+        block_table.shape[1], residual_length, sink_length, k_codes.shape[2],
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2)), meta)
+
+
+_APPEND = Launcher(_append_flush_kernel)

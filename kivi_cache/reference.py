@@ -69,6 +69,50 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     k_zero[pages, :, slots // g] = kz[:, :, 0]
 
 
+
+def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes, k_scale,
+                     k_zero, v_codes, v_scale, v_zero, key_bits: int, value_bits: int, group_size: int,
+                     residual_length: int, sink_length: int) -> None:
+    """One decode step's window bookkeeping, in place, for every sequence b (the compiled cache's step):
+
+    1. the step's token ``new_k/new_v[b]`` (``[B, H, D]`` or ``[B, H, 1, D]``) goes into the window
+       ``res_k/res_v[b, :, res_lengths[b]]`` (``[B, H, capacity, D]``, capacity >= sinks + R + G);
+    2. the sinks count it if they are not all there: ``s = sink_lengths[b] + 1`` if below ``sink_length``;
+    3. if the window is then full, ``res_lengths[b] + 1 - s >= R + G`` (``R = residual_length``, ``G =
+       group_size``), its oldest group (window slots ``s .. s + G - 1``) is quantized into page
+       ``block_table[b, lengths[b] // P]`` (the column clamped to the table) at slot ``lengths[b] % P``, and the R
+       tokens after it move down to slots ``s .. s + R - 1``.
+
+    The lengths are read, not written: the caller advances them (``res_lengths += 1 - G * full``, ``lengths += G *
+    full``, the sinks as in 2.), with ``full`` as in 3.
+    """
+    if new_k.dim() == 4:
+        new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
+    bsz = res_k.shape[0]
+    if bsz == 0:
+        return
+    g, p = group_size, k_codes.shape[2]
+    rows = torch.arange(bsz, device=res_k.device)
+    r = res_lengths.long()
+    res_k[rows, :, r] = new_k.to(res_k.dtype)
+    res_v[rows, :, r] = new_v.to(res_v.dtype)
+    s = sink_lengths.long()
+    s = torch.where(s < sink_length, s + 1, s)
+    full = (r + 1 - s >= residual_length + g).nonzero()[:, 0]
+    if full.numel() == 0:
+        return
+    q = lengths.long()[full]
+    pages = block_table[full, (q // p).clamp(max=block_table.shape[1] - 1)]
+    first = s[full]
+    grp = first[:, None] + torch.arange(g, device=res_k.device)  # [N, G] window slots of each oldest group
+    idx = grp[:, None, :, None].expand(-1, res_k.shape[1], -1, res_k.shape[3])
+    quantize_and_write(res_k[full].gather(2, idx), res_v[full].gather(2, idx), pages, q % p, k_codes, k_scale,
+                       k_zero, v_codes, v_scale, v_zero, key_bits, value_bits, g)
+    for b, s0 in zip(full.tolist(), first.tolist(), strict=True):
+        for res in (res_k, res_v):
+            res[b, :, s0:s0 + residual_length] = res[b, :, s0 + g:s0 + g + residual_length].clone()
+
+
 def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                      key_bits: int, value_bits: int, group_size: int, max_len: int | None = None):
     """Dequantize each sequence's quantized tokens.

@@ -9,10 +9,11 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
 * every sequence owns a fixed range of pages for ``max_cache_len`` tokens (block table built
   once, no page allocation while decoding);
 * quantized length, residual length and sink count are device tensors;
-* the flush of a full group is done every step without a host branch: sequences whose
-  window is not full write their group to a scratch page;
+* a step's window write and the flush of full windows are one kernel
+  (``kivi_cache::append_and_flush``): no host branch, and only the sequences whose window is full quantize a
+  group and move their window; the lengths advance by tensor arithmetic;
 * the paged ops are ``torch.library`` custom ops (``kivi_cache::paged_decode_attention``,
-  ``kivi_cache::quantize_and_write``), opaque to the compiler and captured whole by CUDA graphs; the decode op
+  ``kivi_cache::append_and_flush``), opaque to the compiler and captured whole by CUDA graphs; the decode op
   always merges the partial results in a second kernel (``merge=False``): the in-kernel merge's arrival counts,
   allocated by a first call, would come from the CUDA graphs' pool during inductor's warm-up and outlive it, which
   the graphs' recording refuses (GPU, session 16);
@@ -58,19 +59,22 @@ def _(q, *args):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("kivi_cache::quantize_and_write",
-                         mutates_args=("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))
-def _quantize_op(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, k_codes: torch.Tensor,
-                 k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
-                 v_zero: torch.Tensor, key_bits: int, value_bits: int, group_size: int) -> None:
-    ops.quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                           key_bits=key_bits, value_bits=value_bits, group_size=group_size)
+@torch.library.custom_op("kivi_cache::append_and_flush",
+                         mutates_args=("res_k", "res_v", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
+                                       "v_zero"))
+def _append_op(new_k: torch.Tensor, new_v: torch.Tensor, res_k: torch.Tensor, res_v: torch.Tensor,
+               res_lengths: torch.Tensor, sink_lengths: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor,
+               k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
+               v_scale: torch.Tensor, v_zero: torch.Tensor, key_bits: int, value_bits: int, group_size: int,
+               residual_length: int, sink_length: int) -> None:
+    ops.append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes,
+                         k_scale, k_zero, v_codes, v_scale, v_zero, key_bits=key_bits, value_bits=value_bits,
+                         group_size=group_size, residual_length=residual_length, sink_length=sink_length)
 
 
-@_quantize_op.register_fake
+@_append_op.register_fake
 def _(*args):
     return None
-
 
 # ----------------------------------------------------------------------------- layer
 
@@ -85,7 +89,6 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self.max_cache_len = max_cache_len
         self.static = False
         self.decoding = False  # a one-token step ran in static mode: no more prompt chunks
-        self.scratch = None
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -93,8 +96,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.static = self.decoding = False
-        self.scratch = None
-        need = key_states.shape[0] * self._pages_per_sequence() + 1  # + the scratch page
+        need = key_states.shape[0] * self._pages_per_sequence()
         if self.pool.capacity < need:  # the whole pool at once: no doubling growth, nothing to copy later
             self.pool._grow(need)
 
@@ -110,13 +112,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
             self._to_static()
 
     def _to_static(self) -> None:
-        """After the prompt: fixed pages for every sequence, a scratch page, state as device tensors."""
+        """After the prompt: fixed pages for every sequence, state as device tensors."""
         maxp = self._pages_per_sequence()
         for table in self.tables:
             while len(table) < maxp:
                 table.append(self.pool.allocate())
-        if self.scratch is None:  # a later prompt chunk comes back here: one scratch page
-            self.scratch = self.pool.allocate()  # never read: target of groups that are not full
         self._dev = None
         bt, ql, rl = self._device_state()
         self.block_table, self.q_len, self.r_len = bt, ql.clone(), rl.clone()
@@ -158,34 +158,16 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                                  f"(prompt + new tokens); make the cache with a larger max_cache_len")
             self.host_seen += 1
         self.decoding = True
-        cfg, g, h, d = self.cfg, self.cfg.group_size, self.num_heads, self.head_dim
-        dev = key_states.device
-        rows = torch.arange(key_states.shape[0], device=dev)
-        self.res_k[rows, :, self.r_len.long()] = key_states[:, :, 0].to(self.dtype)
-        self.res_v[rows, :, self.r_len.long()] = value_states[:, :, 0].to(self.dtype)
-        self.r_len.add_(1)
-        self.sink_len.copy_(torch.where(self.sink_len < cfg.sink_length, self.sink_len + 1, self.sink_len))
-        full = (self.r_len - self.sink_len) >= cfg.residual_length + g
-        # flush: the G oldest window tokens of full sequences go to their page; the others to the scratch page
-        first = self.sink_len.long()[:, None] + torch.arange(g, device=dev)
-        gi = first[:, None, :, None].expand(-1, h, -1, d)
-        k_grp = torch.gather(self.res_k, 2, gi)
-        v_grp = torch.gather(self.res_v, 2, gi)
-        page = self.block_table.gather(1, (self.q_len.long() // cfg.page_size)[:, None].clamp(
-            max=self.block_table.shape[1] - 1))[:, 0]
-        page = torch.where(full, page, torch.full_like(page, self.scratch))
-        slot = torch.where(full, self.q_len % cfg.page_size, torch.zeros_like(self.q_len))
-        torch.ops.kivi_cache.quantize_and_write(k_grp.contiguous(), v_grp.contiguous(), page, slot,
-                                                *self.pool.args(), cfg.key_bits, cfg.value_bits, g)
-        self.q_len.add_(g * full.int())
-        # shift the window of full sequences left by G (behind the sinks)
-        pos = torch.arange(self.res_k.shape[2], device=dev)
-        src = (pos[None] + g * (full[:, None] & (pos[None] >= self.sink_len[:, None])).long()).clamp(
-            max=self.res_k.shape[2] - 1)
-        si = src[:, None, :, None].expand(-1, h, -1, d)
-        self.res_k.copy_(torch.gather(self.res_k, 2, si))
-        self.res_v.copy_(torch.gather(self.res_v, 2, si))
-        self.r_len.sub_(g * full.int())
+        cfg, g = self.cfg, self.cfg.group_size
+        torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.r_len,
+                                              self.sink_len, self.q_len, self.block_table, *self.pool.args(),
+                                              cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length)
+        # the lengths as the op read them, advanced as it counted (kivi_cache.reference.append_and_flush)
+        sinks = torch.where(self.sink_len < cfg.sink_length, self.sink_len + 1, self.sink_len)
+        full = (self.r_len + 1 - sinks >= cfg.residual_length + g).int()
+        self.sink_len.copy_(sinks)
+        self.q_len.add_(g * full)
+        self.r_len.add_(1 - g * full)
         self.seen_t.add_(1)
         if torch.compiler.is_compiling():  # no host check above: past max_cache_len a flush would find no page of
             # its own; fail (asynchronously: no host sync) instead of overwriting the sequence's last page

@@ -182,6 +182,60 @@ def test_quantize_and_write_empty():
 
 # ----------------------------------------------------------------------------- dequantize_pages
 
+
+@pytest.mark.parametrize("kb,vb,dtype,r_win", [(4, 4, torch.float16, 40), (2, 2, torch.float32, 64),
+                                                (2, 4, torch.float16, 0)])
+def test_append_and_flush(kb, vb, dtype, r_win):
+    """A compiled decode step's window write and flush against the reference: windows bit-equal (poisoned slots past
+    the tokens untouched), the flushed groups' pages as quantize_and_write writes them, nothing else written, the
+    lengths only read. Sequences: full (page columns 0 and 1, slots 32 and 0), not full, sinks still arriving."""
+    bsz, h, g, d, p, sinks = 5, 2, 32, 64, 64, 2
+    cap = sinks + r_win + g
+    full_r = sinks + r_win + g - 1  # the window's length before a step that fills it
+    rl = torch.tensor([full_r, sinks + r_win // 2 + 3, 1, full_r, full_r], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([2, 2, 1, 2, 2], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([32, 96, 0, 64, 0], dtype=torch.int32, device=DEV)
+    bt = torch.tensor([[4, 1], [0, 6], [2, 7], [3, 5], [8, 9]], dtype=torch.int32, device=DEV)
+    res_k = torch.full((bsz, h, cap, d), float("nan"), dtype=dtype, device=DEV)
+    res_v = res_k.clone()
+    for b, n in enumerate(rl.tolist()):
+        res_k[b, :, :n] = torch.randn(h, n, d, device=DEV).to(dtype) * 2
+        res_v[b, :, :n] = torch.randn(h, n, d, device=DEV).to(dtype)
+    new_k = torch.randn(bsz, h, 1, d, device=DEV).to(dtype)
+    new_v = torch.randn(bsz, h, 1, d, device=DEV).to(dtype)
+    base = make_pool(10, h, p, d, g, kb, vb, dtype)
+    base = tuple(t.fill_(float("nan")) if t.is_floating_point() else t for t in base)
+    before = (rl.clone(), sl.clone(), ql.clone())
+    out = {}
+    for name, mod in (("kernel", K), ("reference", R)):
+        win = (res_k.clone(), res_v.clone())
+        pool = tuple(t.clone() for t in base)
+        mod.append_and_flush(new_k, new_v, *win, rl, sl, ql, bt, *pool, kb, vb, g, r_win, sinks)
+        out[name] = (win, pool)
+    (wk, pk), (wr, pr) = out["kernel"], out["reference"]
+    for a, b_ in zip(wk, wr, strict=True):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0, equal_nan=True)
+    rows = torch.arange(bsz, device=DEV)
+    after = []  # the windows after the token's write, before any flush
+    for res, new in ((res_k, new_k), (res_v, new_v)):
+        w = res.clone()
+        w[rows, :, rl.long()] = new[:, :, 0]
+        after.append(w)
+    for b in (1, 2):  # not full: the write only
+        assert torch.equal(wr[0][b].nan_to_num(), after[0][b].nan_to_num())
+    assert torch.equal(wr[1][0, :, sinks:sinks + r_win], after[1][0, :, sinks + g:sinks + g + r_win])
+    pages, slots = torch.tensor([4, 5, 8], device=DEV), torch.tensor([32, 0, 0], device=DEV)
+    _check_quantized(pk, pr, kb, vb, g, pages, slots, f"append-flush {kb}/{vb} {dtype} R={r_win}")
+    ref = tuple(t.clone() for t in base)  # the same groups through quantize_and_write
+    idx = torch.tensor([0, 3, 4], device=DEV)
+    R.quantize_and_write(after[0][idx, :, sinks:sinks + g], after[1][idx, :, sinks:sinks + g], pages, slots, *ref,
+                         kb, vb, g)
+    for a, b_ in zip(pr, ref, strict=True):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0, equal_nan=True)
+    for a, b_ in zip((rl, sl, ql), before, strict=True):
+        assert torch.equal(a, b_)
+
+
 @pytest.mark.parametrize("kb,vb", BITS)
 def test_dequantize_pages(kb, vb):
     g, p, d, h = 32, 64, 64, 2

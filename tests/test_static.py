@@ -3,10 +3,10 @@ same logits, clear errors for what static mode does not do."""
 
 import pytest
 import torch
-from models import tiny_llama, tiny_qwen2
+from models import tiny_llama, tiny_llama_d64, tiny_qwen2
 from transformers import DynamicCache
 
-from kivi_cache import QuantConfig, QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs
+from kivi_cache import QuantConfig, QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs, ops
 
 CFG = dict(key_bits=4, value_bits=2, group_size=16, residual_length=16, page_size=32, sink_length=2)
 
@@ -28,9 +28,33 @@ def test_static_generates_the_dynamic_caches_tokens(make):
     report = cache.memory_report()
     assert report.quantized_tokens > 0 and report.sink_tokens == 2 * 2 * model.config.num_hidden_layers
     assert cache.is_compileable and not QuantizedPagedCache().is_compileable
-    # allocated once: every sequence's pages + scratch
-    assert cache.layers[0].pool.capacity == 2 * QuantConfig(**CFG).pages_per_sequence(128) + 1
+    # allocated once: every sequence's pages
+    assert cache.layers[0].pool.capacity == 2 * QuantConfig(**CFG).pages_per_sequence(128)
 
+
+
+def test_static_step_on_the_kernels_matches_the_reference():
+    """The static step through the Triton kernels (on CPU the interpreter: append_and_flush, then the decode
+    kernels) gives the torch reference path's tokens and logits; 40 steps of a batch of 2 with two flushes each
+    and sinks."""
+    model = tiny_llama_d64()
+    cfg = dict(key_bits=4, value_bits=4, group_size=32, residual_length=32, page_size=64, sink_length=2)
+    ids = torch.randint(0, 100, (2, 60), generator=torch.Generator().manual_seed(4))
+    res = {}
+    try:
+        for backend in ("torch", "triton"):
+            ops.set_backend(backend)
+            cache = StaticQuantizedPagedCache(model, 128, **cfg)
+            with torch.no_grad():
+                res[backend] = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
+                                              max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                              return_dict_in_generate=True, output_logits=True)
+            assert cache.layers[0].q_len.tolist() == [64, 64]  # 99 tokens: flushes at 66 and 98 (2 sinks + R + G)
+    finally:
+        ops.set_backend("auto")
+    assert torch.equal(res["torch"].sequences, res["triton"].sequences)
+    torch.testing.assert_close(torch.stack(res["triton"].logits), torch.stack(res["torch"].logits), rtol=1e-4,
+                               atol=1e-4)
 
 def _decode_logits(model, ids, forward, steps):
     cache = StaticQuantizedPagedCache(model, 96, **CFG)
@@ -60,7 +84,7 @@ def test_static_pool_holds_exactly_the_pages_of_max_cache_len_and_refuses_more_t
     cache = StaticQuantizedPagedCache(model, max_len, **CFG)
     assert torch.equal(_generate(model, ids, cache, n=n), _generate(model, ids, QuantizedPagedCache(**CFG), n=n))
     for layer in cache.layers:
-        assert layer.block_table.shape == (2, per_seq) and layer.pool.capacity == 2 * per_seq + 1  # + scratch
+        assert layer.block_table.shape == (2, per_seq) and layer.pool.capacity == 2 * per_seq
         assert layer.q_len.tolist() == [48, 48]  # the last page filled: the sizing is tight
     cache = StaticQuantizedPagedCache(model, max_len, **CFG)
     with pytest.raises(ValueError, match="max_cache_len"):  # eager: checked on the host before the step writes
@@ -151,7 +175,7 @@ def test_static_with_left_padding_matches_dynamic():
 @pytest.mark.parametrize("chunk", [16, 24])
 def test_static_with_a_chunked_prompt_matches_dynamic(chunk):
     """generate's prefill_chunk_size: the prompt arrives in chunks (eager, with flushes between them), then
-    the static decode; same tokens as the dynamic cache with the same chunks, and one scratch page."""
+    the static decode; same tokens as the dynamic cache with the same chunks, and no page beyond the fixed ones."""
     model = tiny_llama()
     ids = torch.randint(0, 100, (2, 70), generator=torch.Generator().manual_seed(11))
     ref = _generate(model, ids, QuantizedPagedCache(**CFG), n=20, prefill_chunk_size=chunk)
@@ -159,9 +183,8 @@ def test_static_with_a_chunked_prompt_matches_dynamic(chunk):
     out = _generate(model, ids, cache, n=20, prefill_chunk_size=chunk)
     assert torch.equal(out, ref)
     layer = cache.layers[0]
-    assert layer.static and layer.decoding and layer.pool.capacity == 2 * QuantConfig(**CFG).pages_per_sequence(128) + 1
-    # every sequence's fixed pages + one scratch page
-    assert layer.pool.pages_in_use == 2 * QuantConfig(**CFG).pages_per_sequence(128) + 1
+    assert layer.static and layer.decoding and layer.pool.capacity == 2 * QuantConfig(**CFG).pages_per_sequence(128)
+    assert layer.pool.pages_in_use == 2 * QuantConfig(**CFG).pages_per_sequence(128)  # every sequence's fixed pages
 
 
 def test_static_with_a_chunked_left_padded_prompt_matches_dynamic():
