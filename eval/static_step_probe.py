@@ -9,6 +9,9 @@ the kernels' durations) and the table by kernel name (calls per step, us per ste
 plain timed ``generate`` (``--timed-new`` tokens, median of ``--repeats``).
 
     python eval/static_step_probe.py --prompt 1024 --new 17 --out $OUT/static_step_probe.json
+
+``KIVI_CODE=dir``: import ``kivi_cache`` from ``dir`` (e.g. an older commit's ``git archive``, with its
+``kivi_cache/kernels`` link) instead of this checkout, for a before/after comparison in separate processes.
 """
 
 import argparse
@@ -22,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.environ.get("KIVI_CODE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_generate import build_model  # noqa: E402
 from transformers import StaticCache  # noqa: E402
@@ -73,7 +76,9 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=g).to(dev)
     total = args.prompt + max(args.new, args.timed_new)
-    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    import kivi_cache  # noqa: PLC0415
+
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, kivi_cache_from=kivi_cache.__file__,
                transformers=__import__("transformers").__version__, triton=__import__("triton").__version__,
                prompt=args.prompt, decode_steps=args.new - 1, caches={})
     names = args.caches.split(",")
