@@ -26,10 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.environ.get("KIVI_CODE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import kivi_cache  # noqa: E402, I001  (first: bench_generate puts this checkout first on sys.path)
 
-from bench_generate import build_model  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
+from bench_generate import build_model  # noqa: E402
 from kivi_cache import StaticQuantizedPagedCache, cache_kwargs  # noqa: E402
 
 
@@ -76,8 +77,6 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=g).to(dev)
     total = args.prompt + max(args.new, args.timed_new)
-    import kivi_cache  # noqa: PLC0415
-
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, kivi_cache_from=kivi_cache.__file__,
                transformers=__import__("transformers").__version__, triton=__import__("triton").__version__,
                prompt=args.prompt, decode_steps=args.new - 1, caches={})
