@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import Launcher, check_bits, check_group, check_head_dim, env_reader
+from ._util import Launcher, check_settings, env_reader
 
 
 @triton.jit
@@ -124,9 +124,7 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     n, h, g, d = k.shape
     if n == 0:
         return
-    check_head_dim(d)
-    check_bits(key_bits, value_bits)
-    check_group(d, group_size, k_codes.shape[2])
+    check_settings(d, key_bits, value_bits, group_size, k_codes.shape[2])
     if g != group_size or tuple(v.shape) != (n, h, g, d):
         raise ValueError(f"k and v must be [N, H, group_size={group_size}, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.stride(-1) != 1:
@@ -243,9 +241,7 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     bsz, h, cap, d = res_k.shape
     if bsz == 0:
         return
-    check_head_dim(d)
-    check_bits(key_bits, value_bits)
-    check_group(d, group_size, k_codes.shape[2])
+    check_settings(d, key_bits, value_bits, group_size, k_codes.shape[2])
     if new_k.dim() == 4:
         new_k, new_v = new_k.select(2, 0), new_v.select(2, 0)
     if tuple(new_k.shape) != (bsz, h, d) or tuple(new_v.shape) != (bsz, h, d):
