@@ -77,6 +77,7 @@ def _append_op(new_k: torch.Tensor, new_v: torch.Tensor, res_k: torch.Tensor, re
 def _(*args):
     return None
 
+
 # ----------------------------------------------------------------------------- layer
 
 
