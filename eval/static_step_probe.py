@@ -121,5 +121,6 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
+
 if __name__ == "__main__":
     main()

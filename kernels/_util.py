@@ -33,12 +33,12 @@ def check_group(d: int, group_size: int, page_size: int | None = None) -> None:
         raise ValueError(f"page_size={page_size} must be a multiple of group_size={g}")
 
 
-
 def check_settings(d: int, key_bits: int, value_bits: int, group_size: int, page_size: int) -> None:
     """head_dim, bits and group size (against head_dim and the page) as the kernels accept them, else ValueError."""
     check_head_dim(d)
     check_bits(key_bits, value_bits)
     check_group(d, group_size, page_size)
+
 
 def pow2_divisor(n: int) -> int:
     """Largest power of two dividing n (n > 0)."""

@@ -58,9 +58,7 @@ from . import _util
 from ._util import (
     Launcher,
     block_tokens,
-    check_bits,
-    check_group,
-    check_head_dim,
+    check_settings,
     env_reader,
     interpreting,
     no_launch_hooks,
@@ -682,9 +680,7 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
     d = k_scale.shape[-1]
     if q_dim != d:
         raise ValueError(f"q head_dim={q_dim} does not match the pool's head_dim={d}")
-    check_head_dim(d)
-    check_bits(key_bits, value_bits)
-    check_group(d, group_size, k_codes.shape[2])
+    check_settings(d, key_bits, value_bits, group_size, k_codes.shape[2])
     for t in (k_codes, k_scale):
         if t.stride(-1) != 1:
             raise ValueError("pool tensors must have a contiguous last dimension")

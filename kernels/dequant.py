@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block_tokens, check_bits, check_group, check_head_dim, interpreting
+from ._util import block_tokens, check_settings, interpreting
 
 
 @triton.jit
@@ -114,9 +114,7 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     b = block_table.shape[0]
     _, h, p, _ = k_codes.shape
     d = k_scale.shape[-1]
-    check_head_dim(d)
-    check_bits(key_bits, value_bits)
-    check_group(d, group_size, p)
+    check_settings(d, key_bits, value_bits, group_size, p)
     t = int(lengths.max()) if (max_len is None and b > 0) else (max_len or 0)
     if out is None:
         k_out = torch.empty(b, h, t, d, dtype=k_scale.dtype, device=k_scale.device)

@@ -93,12 +93,12 @@ def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_si
     _call("quantize_and_write", k.device, k, v, pages, slots, *pool, key_bits, value_bits, group_size)
 
 
-
 def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, *pool, key_bits,
                      value_bits, group_size, residual_length, sink_length):
     """A decode step's window write and flush of full windows (:func:`kivi_cache.reference.append_and_flush`)."""
     _call("append_and_flush", res_k.device, new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths,
           block_table, *pool, key_bits, value_bits, group_size, residual_length, sink_length)
+
 
 def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None):
     return _call("dequantize_pages", block_table.device, block_table, lengths, *pool, key_bits, value_bits,

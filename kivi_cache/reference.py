@@ -69,7 +69,6 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     k_zero[pages, :, slots // g] = kz[:, :, 0]
 
 
-
 def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes, k_scale,
                      k_zero, v_codes, v_scale, v_zero, key_bits: int, value_bits: int, group_size: int,
                      residual_length: int, sink_length: int) -> None:
