@@ -30,7 +30,7 @@ import kivi_cache  # noqa: E402, I001  (first: bench_generate puts this checkout
 
 from transformers import StaticCache  # noqa: E402
 
-from bench_generate import build_model  # noqa: E402
+from bench_generate import MODELS, build_model  # noqa: E402
 from kivi_cache import StaticQuantizedPagedCache, cache_kwargs  # noqa: E402
 
 
@@ -79,7 +79,8 @@ def main():
     total = args.prompt + max(args.new, args.timed_new)
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, kivi_cache_from=kivi_cache.__file__,
                transformers=__import__("transformers").__version__, triton=__import__("triton").__version__,
-               prompt=args.prompt, decode_steps=args.new - 1, caches={})
+               model=dict(name="llama3-8b", dtype="float16", **MODELS["llama3-8b"]), batch=1, prompt=args.prompt,
+               decode_steps=args.new - 1, timed_new=args.timed_new, caches={})
     names = args.caches.split(",")
     for name in names:
         t0 = time.perf_counter()
