@@ -2,7 +2,7 @@
 
 Decode, ``paged_decode_attention``
 ----------------------------------
-Kernel 1 (``_decode_split_kernel``), grid ``(B * Hkv, NS + 1)``, one warp per
+Kernel 1 (``_decode_split_kernel``), grid ``(B * Hkv, NS + NR)``, one warp per
 program. Program ``(b, h, s)`` holds all ``GROUP = Hq // Hkv`` query heads of KV
 head ``h``, so every page is read once per KV head. The MMAs are transposed so
 that tokens and channels fill the 16-row side and the query heads the narrow
@@ -20,19 +20,20 @@ channels (one value group, one accumulator each) gives one ``V^T`` tile
 consecutive tokens the MMA operand needs (ODD pairs of a word: bytes ``q, q + 2``),
 so no tile is transposed through shared memory; each plane's MMA takes the rows
 of ``P^T`` of its tokens (``plane_rows``), and the value scales of two tokens
-come as one int32 load. Online softmax in the exp2 domain. Split ``s = NS`` handles
-the full-precision residual window (attention sinks included)
-``res_k/res_v[b, h, :res_lengths[b]]``.
+come as one int32 load. Online softmax in the exp2 domain. Splits ``s = NS + c`` handle
+chunk c of the full-precision residual window (attention sinks included)
+``res_k/res_v[b, h, :res_lengths[b]]``: slots ``[c RCH, (c + 1) RCH)`` (``window_chunk``: the whole window in one
+program, or 64-slot chunks where the pairs are few, since session 17).
 SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): key pairs for 64-token groups hold
 channels ``(4w + p, 4w + p + 2)`` ("ODD", one shift of the word instead of byte shuffles; q rows in
 that order, ``_qrows``); whole steps run in an unmasked copy of the loop. Each
 program writes its partial ``(max, sum, acc)`` to an fp32 workspace
-``[B * Hq, NS + 1, (D)]``. Registers are capped (``maxnreg`` 128) only for 32-token steps; the
+``[B * Hq, NS + NR, (D)]``. Registers are capped (``maxnreg`` 128) only for 32-token steps; the
 paged loop is software-pipelined 5 deep, the residual loop not at all (``_stages``: at fewer stages the
 loop waited for every copy each step). ``_plain`` (no inline PTX) is for tests and ``eval/sweep_decode.py``.
 
 Kernel 2 (``_decode_reduce_kernel``, launched by ``decode_reduce``), grid ``(B * Hq, D / 32)``, merges the
-``NS + 1`` partials with the log-sum-exp rule and writes ``out`` in q's dtype.
+``NS + NR`` partials with the log-sum-exp rule and writes ``out`` in q's dtype.
 
 NS is chosen from ``B * Hkv`` against the SM count and the block table's width
 (an upper bound of every sequence's page count; keep it trimmed).
@@ -241,7 +242,7 @@ def _decode_split_kernel(
     rk_ptr, rv_ptr, rlen_ptr,
     m_ws, l_ws, o_ws,
     nk_ptr, nv_ptr, out_ptr, cnt_ptr,
-    qk_scale, Hkv, NS,
+    qk_scale, Hkv, NS, RCH,
     s_qb, s_qh, s_btb,
     s_kcp, s_kch, s_ksp, s_ksh, s_ksg,
     s_vcp, s_vch, s_vsp, s_vsh,
@@ -253,7 +254,7 @@ def _decode_split_kernel(
     PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
     NEWKV: tl.constexpr = 0,  # the window's newest token (rlen - 1) is first written from nk/nv (the op's new_k/v)
     MERGE: tl.constexpr = 0,  # the last program of a (sequence, KV head) merges the partials into out (no 2nd kernel)
-    BM: tl.constexpr = 1,  # MERGE: next power of two of NS + 1
+    BM: tl.constexpr = 1,  # MERGE: next power of two of the programs per pair (NS + window chunks)
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
@@ -450,22 +451,24 @@ def _decode_split_kernel(
                             vall = join_planes4(v0, v1, v2, v3)
                         pacc = tl.dot(vall.to(DT), pd, input_precision=PREC)
                     a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(c2, pacc, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
-    else:
+    else:  # window slots [lo, lo + RCH) of (b, h): split NS + c holds chunk c
         rlen = tl.load(rlen_ptr + b).to(tl.int32)
+        lo = (split - NS) * RCH
+        hi = tl.minimum(lo + RCH, rlen)
         rk_b = rk_ptr + b64 * s_rkb + h * s_rkh
         rv_b = rv_ptr + b64 * s_rvb + h * s_rvh
         offs_d = tl.arange(0, D)
-        if NEWKV:  # this program owns the window of (b, h): store the step's token, then read the window whole
-            if rlen > 0:
+        if NEWKV:  # the chunk holding the newest slot stores the step's token there, then reads its slots
+            if (rlen > 0) & (rlen - 1 >= lo) & (rlen - 1 < lo + RCH):
                 nk = tl.load(nk_ptr + b64 * s_nkb + h * s_nkh + offs_d)
                 nv = tl.load(nv_ptr + b64 * s_nvb + h * s_nvh + offs_d)
                 tl.store(rk_b + (rlen - 1) * s_rkt + offs_d, nk.to(rk_ptr.dtype.element_ty))
                 tl.store(rv_b + (rlen - 1) * s_rvt + offs_d, nv.to(rv_ptr.dtype.element_ty))
             tl.debug_barrier()  # the stores before any thread's window loads (one CTA: bar.sync orders them)
         q = tl.load(q_col + offs_d[:, None], mask=gmask[None, :], other=0.0).to(tl.float32).to(DT)
-        for start in tl.range(0, rlen, BLOCK_R, num_stages=RSTAGES):
+        for start in tl.range(lo, hi, BLOCK_R, num_stages=RSTAGES):
             tok = start + tl.arange(0, BLOCK_R)
-            tvalid = tok < rlen
+            tvalid = tok < hi
             kk = tl.load(rk_b + tok[:, None] * s_rkt + offs_d[None, :], mask=tvalid[:, None], other=0.0)
             s = tl.dot(kk.to(tl.float32).to(DT), q, input_precision=PREC)
             s = tl.where(tvalid[:, None], s, float("-inf"))
@@ -477,8 +480,9 @@ def _decode_split_kernel(
                 pv = tl.dot(tl.trans(vv.to(tl.float32).to(DT)), pd, input_precision=PREC)
                 a0, a1, a2, a3, a4, a5, a6, a7 = _acc_update(gi, pv, alpha, a0, a1, a2, a3, a4, a5, a6, a7)
 
+    NSP = tl.num_programs(1)  # NS paged splits + the window's chunks
     row = (b64 * Hkv + h) * GROUP + offs_g  # flat (b, hq)
-    ws = row * (NS + 1) + split
+    ws = row * NSP + split
     tl.store(m_ws + ws, m_i, mask=gmask)
     tl.store(l_ws + ws, l_i, mask=gmask)
     for gi in tl.static_range(NW):
@@ -486,11 +490,11 @@ def _decode_split_kernel(
         tl.store(o_ws + ws[None, :] * D + (gi * W + offs_c)[:, None], acc, mask=gmask[None, :])
     if MERGE:
         # every thread's partial stores before the arrival count (bar.sync, then a gpu-scope release); the last of
-        # the pair's NS + 1 programs to arrive (acquire) merges them, reading through L2 (.cg), and resets the count
+        # the pair's NSP programs to arrive (acquire) merges them, reading through L2 (.cg), and resets the count
         tl.debug_barrier()
         prev = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if prev == NS:
-            _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, b64 * s_ob, s_oh, NS + 1, GP, D, BM, BSM)
+        if prev == NSP - 1:
+            _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, b64 * s_ob, s_oh, NSP, GP, D, BM, BSM)
             tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
@@ -646,10 +650,11 @@ def _resident_of(kernel, device) -> int | None:
         return None
 
 
-def _pick_splits(bsz: int, hkv: int, width_tokens: int, device, resident: int = RESIDENT_DEFAULT) -> int:
-    """Context splits per (sequence, KV head). The grid has ``bsz * hkv * (splits + 1)`` one-warp programs
-    (the last split of each is the residual window); ``resident`` of them fit on an SM at once (from the
-    compiled kernel's registers and shared memory: 8 for the one-warp d=128 kernel, 4 at d=256;
+def _pick_splits(bsz: int, hkv: int, width_tokens: int, device, resident: int = RESIDENT_DEFAULT,
+                 chunks: int = 1) -> int:
+    """Context splits per (sequence, KV head). The grid has ``bsz * hkv * (splits + chunks)`` one-warp programs
+    (the last ``chunks`` of each read the residual window, :func:`window_chunk`); ``resident`` of them fit on an
+    SM at once (from the compiled kernel's registers and shared memory: 8 for the one-warp d=128 kernel, 4 at d=256;
     ``KIVI_DECODE_RESIDENT`` overrides), so ``slots = SMs * resident`` programs make one wave.
     Waves: as many as splits of ``KIVI_DECODE_SPLIT_LONG`` (1024) tokens need, at most
     ``KIVI_DECODE_FILL / resident`` (24 / 8 = 3); splits fill those waves, but none is shorter than
@@ -659,10 +664,10 @@ def _pick_splits(bsz: int, hkv: int, width_tokens: int, device, resident: int = 
     as the fill of 24 programs per SM before."""
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
-    return split_count(bsz, hkv, width_tokens, num_sms(device), resident)
+    return split_count(bsz, hkv, width_tokens, num_sms(device), resident, chunks)
 
 
-def split_count(bsz: int, hkv: int, width_tokens: int, sms: int, resident: int) -> int:
+def split_count(bsz: int, hkv: int, width_tokens: int, sms: int, resident: int, chunks: int = 1) -> int:
     """The rule of :func:`_pick_splits` for ``sms`` SMs holding ``resident`` programs each (env overrides)."""
     env = os.environ.get
     resident = int(env("KIVI_DECODE_RESIDENT", 0)) or resident
@@ -670,10 +675,29 @@ def split_count(bsz: int, hkv: int, width_tokens: int, sms: int, resident: int) 
     pairs = max(1, bsz * hkv)
     max_waves = max(1, int(env("KIVI_DECODE_FILL", 24)) // resident)
     by_long = triton.cdiv(width_tokens, int(env("KIVI_DECODE_SPLIT_LONG", 1024)))
-    waves = min(max_waves, triton.cdiv(pairs * (by_long + 1), slots))
-    by_fill = max(1, waves * slots // pairs - 1)
+    waves = min(max_waves, triton.cdiv(pairs * (by_long + chunks), slots))
+    by_fill = max(1, waves * slots // pairs - chunks)
     by_len = triton.cdiv(width_tokens, int(env("KIVI_DECODE_SPLIT_MIN", 256)))
     return max(1, min(by_fill, by_len, 1024))
+
+
+WINDOW_CHUNK = 64  # window tokens per program where the (sequence, KV head) pairs are few (window_chunk)
+
+
+def window_chunk(pairs: int, capacity: int, block_r: int, device) -> int:
+    """Window slots per program: the whole window (one program, as before session 17) unless the pairs are few
+    (at most ``MERGE_PAIRS``, small batches on a GPU), where the window's one unpipelined program was the longest
+    (batch 1 at 1k, compiled: the split kernel 18 us against SDPA's 9, ``static_step_probe_new_s17.json``): then
+    ``WINDOW_CHUNK`` slots each. ``KIVI_DECODE_RCHUNK`` overrides (tokens, rounded up to whole ``block_r`` steps;
+    also under the interpreter, for tests)."""
+    env = int(os.environ.get("KIVI_DECODE_RCHUNK", 0))
+    if env:
+        tokens = env
+    elif device.type == "cuda" and not interpreting() and pairs <= MERGE_PAIRS:
+        tokens = WINDOW_CHUNK
+    else:
+        tokens = capacity
+    return max(block_r, triton.cdiv(max(1, min(tokens, capacity)), block_r) * block_r)
 
 
 def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
@@ -690,7 +714,7 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
              "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
              "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
-             "KIVI_DECODE_MERGE_MAX")
+             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK")
 _plan_env = env_reader(_PLAN_ENV)
 # at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
 # GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.4% faster (H200, eval/NOTES.md s14)
@@ -743,13 +767,16 @@ class _DecodePlan:
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
                     num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
         rkey = (q.device.index, *meta.items())
+        cap = res_k.shape[2]
+        rch = window_chunk(bsz * hkv, cap, blk_r, q.device)
+        chunks = max(1, triton.cdiv(cap, rch))
         ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
-                                        _RESIDENT.get(rkey, RESIDENT_DEFAULT))
+                                        _RESIDENT.get(rkey, RESIDENT_DEFAULT), chunks)
         self.meta = dict(meta, **({"NEWKV": 1} if newkv else {}))
-        self.grid = (bsz * hkv, ns + 1)
-        self.rows, self.nsp1, self.rkey = bsz * hq, ns + 1, rkey
-        # the split kernel's integer arguments: fixed by the key (its strides, head counts, splits)
-        self.ints = (hkv, ns, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0), kw.stride(1),
+        self.grid = (bsz * hkv, ns + chunks)
+        self.rows, self.nsp1, self.rkey = bsz * hq, ns + chunks, rkey
+        # the split kernel's integer arguments: fixed by the key (its strides, head counts, splits, window chunk)
+        self.ints = (hkv, ns, rch, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0), kw.stride(1),
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d)

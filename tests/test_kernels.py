@@ -516,6 +516,41 @@ def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, fo
     assert q.shape == (bsz, hkv * grp, d)
 
 
+
+@pytest.mark.parametrize("newkv,fuse", [(False, "0"), (True, "1"), (True, "0")])
+def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
+    """KIVI_DECODE_RCHUNK=64: a 150-slot window read by three programs (windows empty, inside one chunk, at and past
+    the chunks' edges, full); with the step's token written by the chunk that holds its slot, merged by the merge
+    kernel or in the split kernel: the reference's output and window; the plan has NS + 3 programs per pair."""
+    from kivi_cache.kernels import attention as A
+
+    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "64")
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", fuse)
+    bsz, hkv, grp, d, p, g = 6, 1, 2, 64, 64, 32
+    rls = [0, 5, 64, 65, 129, 150]
+    args = list(decode_case(bsz, hkv, grp, d, p, g, 4, 4, torch.float32, [64, 0, 96, 32, 160, 64], rls, c=150))
+    res_k, res_v, rl = args[9], args[10], args[11]
+    new = {}
+    want_k, want_v = res_k, res_v
+    if newkv:
+        new = dict(new_k=torch.randn(bsz, hkv, d, device=DEV), new_v=torch.randn(bsz, hkv, d, device=DEV))
+        want_k, want_v = res_k.clone(), res_v.clone()
+        for b in range(bsz):
+            if rls[b]:
+                want_k[b, :, rls[b] - 1] = new["new_k"][b]
+                want_v[b, :, rls[b] - 1] = new["new_v"][b]
+    ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
+    rk, rv = res_k.clone(), res_v.clone()
+    out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], **new)
+    assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
+    err = rel_err(out, ref, f"decode window chunks newkv={newkv} fuse={fuse}")
+    assert err < TOL[torch.float32], err
+    plans = [pl for pl in A._PLANS.values() if pl.rows == bsz * hkv * grp and pl.grid[0] == bsz * hkv]
+    assert plans and all(pl.nsp1 == pl.ints[1] + 3 and pl.ints[2] == 64 for pl in plans)
+    assert A.window_chunk(bsz * hkv, 150, 32, torch.device("cpu")) == 64  # the setting, rounded to whole steps
+    monkeypatch.delenv("KIVI_DECODE_RCHUNK")
+    assert A.window_chunk(8, 164, 32, torch.device("cpu")) >= 164  # one program for the window: the CPU default
+
 @pytest.mark.parametrize("grp,splits", [(1, 1), (3, 4), (8, 15), (4, 20)])
 def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
     """The split kernel merging (here KIVI_DECODE_FUSE_MERGE=1; by default at small batches): the last program of
