@@ -529,7 +529,7 @@ def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
     bsz, hkv, grp, d, p, g = 6, 1, 2, 64, 64, 32
     rls = [0, 5, 64, 65, 129, 150]
     args = list(decode_case(bsz, hkv, grp, d, p, g, 4, 4, torch.float32, [64, 0, 96, 32, 160, 64], rls, c=150))
-    res_k, res_v, rl = args[9], args[10], args[11]
+    res_k, res_v = args[9], args[10]
     new = {}
     want_k, want_v = res_k, res_v
     if newkv:
@@ -561,6 +561,7 @@ def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
     at zero for the next call."""
     from kivi_cache.kernels import attention as A
 
+    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "4096")  # one window program on every device (NS + 1 partials)
     args = decode_case(3, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300, 0, 64], [7, 0, 130], c=160)
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
     two = K.paged_decode_attention(*args, num_splits=splits)
@@ -622,6 +623,7 @@ def test_in_kernel_merge_plan_limits(monkeypatch, grp, splits, merge_max, fused)
     from kivi_cache.kernels import attention as A
 
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
+    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "4096")  # one window program on every device (NS + 1 partials)
     if merge_max is not None:
         monkeypatch.setenv("KIVI_DECODE_MERGE_MAX", merge_max)
     q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(1, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300],
