@@ -516,7 +516,6 @@ def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, fo
     assert q.shape == (bsz, hkv * grp, d)
 
 
-
 @pytest.mark.parametrize("newkv,fuse", [(False, "0"), (True, "1"), (True, "0")])
 def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
     """KIVI_DECODE_RCHUNK=64: a 150-slot window read by three programs (windows empty, inside one chunk, at and past
