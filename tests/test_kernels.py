@@ -550,6 +550,7 @@ def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
     monkeypatch.delenv("KIVI_DECODE_RCHUNK")
     assert A.window_chunk(8, 164, 32, torch.device("cpu")) >= 164  # one program for the window: the CPU default
 
+
 @pytest.mark.parametrize("grp,splits", [(1, 1), (3, 4), (8, 15), (4, 20)])
 def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
     """The split kernel merging (here KIVI_DECODE_FUSE_MERGE=1; by default at small batches): the last program of
