@@ -539,11 +539,12 @@ def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
                 want_k[b, :, rls[b] - 1] = new["new_k"][b]
                 want_v[b, :, rls[b] - 1] = new["new_v"][b]
     ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
-    rk, rv = res_k.clone(), res_v.clone()
-    out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], **new)
-    assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
-    err = rel_err(out, ref, f"decode window chunks newkv={newkv} fuse={fuse}")
-    assert err < TOL[torch.float32], err
+    for _ in range(2):  # on a GPU the plan is kept from the second call (once the kernel's residency is known)
+        rk, rv = res_k.clone(), res_v.clone()
+        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], **new)
+        assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
+        err = rel_err(out, ref, f"decode window chunks newkv={newkv} fuse={fuse}")
+        assert err < TOL[torch.float32], err
     plans = [pl for pl in A._PLANS.values() if pl.rows == bsz * hkv * grp and pl.grid[0] == bsz * hkv]
     assert plans and all(pl.nsp1 == pl.ints[1] + 3 and pl.ints[2] == 64 for pl in plans)
     assert A.window_chunk(bsz * hkv, 150, 32, torch.device("cpu")) == 64  # the setting, rounded to whole steps
