@@ -578,7 +578,8 @@ def _reduce_launch(rows: int, nsp1: int, d: int):
 
 
 def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
-    """Merge ``ws_*`` (``[B * Hq, NS + 1(, D)]`` fp32 partial max / sum / output) into ``out`` ``[B, Hq, D]``."""
+    """Merge ``ws_*`` (``[B * Hq, NS + NR(, D)]`` fp32 partial max / sum / output: NS paged splits, NR window
+    chunks) into ``out`` ``[B, Hq, D]``."""
     rows, nsp1, d = ws_o.shape
     grid, meta = _reduce_launch(rows, nsp1, d)
     _decode_reduce_kernel[grid](ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq, **meta)
@@ -685,11 +686,12 @@ WINDOW_CHUNK = 64  # window tokens per program where the (sequence, KV head) pai
 
 
 def window_chunk(pairs: int, capacity: int, block_r: int, device) -> int:
-    """Window slots per program: the whole window (one program, as before session 17) unless the pairs are few
+    """Window slots per program: the whole window (one program, as before session 18) unless the pairs are few
     (at most ``MERGE_PAIRS``, small batches on a GPU), where the window's one unpipelined program was the longest
     (batch 1 at 1k, compiled: the split kernel 18 us against SDPA's 9, ``static_step_probe_new_s17.json``): then
-    ``WINDOW_CHUNK`` slots each. ``KIVI_DECODE_RCHUNK`` overrides (tokens, rounded up to whole ``block_r`` steps;
-    also under the interpreter, for tests)."""
+    ``WINDOW_CHUNK`` slots each (there 18.0 -> 10.0 us, ``static_step_probe_{main,rsplit}_s18.json``).
+    ``KIVI_DECODE_RCHUNK`` overrides (tokens, rounded up to whole ``block_r`` steps; also under the interpreter, for
+    tests)."""
     env = int(os.environ.get("KIVI_DECODE_RCHUNK", 0))
     if env:
         tokens = env
