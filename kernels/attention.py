@@ -689,9 +689,12 @@ def window_chunk(pairs: int, capacity: int, block_r: int, device) -> int:
     """Window slots per program: the whole window (one program, as before session 18) unless the pairs are few
     (at most ``MERGE_PAIRS``, small batches on a GPU), where the window's one unpipelined program was the longest
     (batch 1 at 1k, compiled: the split kernel 18 us against SDPA's 9, ``static_step_probe_new_s17.json``): then
-    ``WINDOW_CHUNK`` slots each (there 18.0 -> 10.0 us, ``static_step_probe_{main,rsplit}_s18.json``).
-    ``KIVI_DECODE_RCHUNK`` overrides (tokens, rounded up to whole ``block_r`` steps; also under the interpreter, for
-    tests)."""
+    ``WINDOW_CHUNK`` slots each (there 18.0 -> 10.0 us, ``static_step_probe_{main,rsplit}_s18.json``). The plan
+    keeps the chunks only where the split rule (:func:`split_count`) gives the paged splits the same count with them
+    as with one window program (split length the bound: short contexts, batch 1 up to 32k): at batch 8 x 8 KV heads
+    x 32k they moved the rule from 2 waves of 32 splits to 3 of 46, 5.6% slower (``ab_rchunk_s18.json``).
+    ``KIVI_DECODE_RCHUNK`` overrides both (tokens, rounded up to whole ``block_r`` steps; also under the
+    interpreter, for tests)."""
     env = int(os.environ.get("KIVI_DECODE_RCHUNK", 0))
     if env:
         tokens = env
@@ -699,6 +702,11 @@ def window_chunk(pairs: int, capacity: int, block_r: int, device) -> int:
         tokens = WINDOW_CHUNK
     else:
         tokens = capacity
+    return _whole_steps(tokens, capacity, block_r)
+
+
+def _whole_steps(tokens: int, capacity: int, block_r: int) -> int:
+    """``tokens`` (at most the window's ``capacity``) rounded up to whole ``block_r``-slot steps."""
     return max(block_r, triton.cdiv(max(1, min(tokens, capacity)), block_r) * block_r)
 
 
@@ -772,8 +780,15 @@ class _DecodePlan:
         cap = res_k.shape[2]
         rch = window_chunk(bsz * hkv, cap, blk_r, q.device)
         chunks = max(1, triton.cdiv(cap, rch))
-        ns = num_splits or _pick_splits(bsz, hkv, block_table.shape[1] * p, q.device,
-                                        _RESIDENT.get(rkey, RESIDENT_DEFAULT), chunks)
+        if num_splits:
+            ns = num_splits
+        else:
+            width, resident = block_table.shape[1] * p, _RESIDENT.get(rkey, RESIDENT_DEFAULT)
+            ns = _pick_splits(bsz, hkv, width, q.device, resident, chunks)
+            if chunks > 1 and not os.environ.get("KIVI_DECODE_RCHUNK"):
+                ns1 = _pick_splits(bsz, hkv, width, q.device, resident, 1)
+                if ns != ns1:  # the chunks would change the paged splits (and waves): one window program
+                    rch, chunks, ns = _whole_steps(cap, cap, blk_r), 1, ns1
         self.meta = dict(meta, **({"NEWKV": 1} if newkv else {}))
         self.grid = (bsz * hkv, ns + chunks)
         self.rows, self.nsp1, self.rkey = bsz * hq, ns + chunks, rkey

@@ -552,6 +552,31 @@ def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
     assert A.window_chunk(8, 164, 32, torch.device("cpu")) >= 164  # one program for the window: the CPU default
 
 
+@pytest.mark.parametrize("bsz,hkv,width,chunked,ns", [(1, 8, 16, True, 4), (8, 8, 16, True, 4), (1, 8, 512, True, 128),
+                                                      (8, 8, 512, False, 32), (1, 8, 2048, False, 131)])
+def test_window_chunks_only_where_they_change_no_paged_split(monkeypatch, bsz, hkv, width, chunked, ns):
+    """The plan's choice on an H200-sized device (132 SMs x 8 programs, the split rule with the GPU's numbers; the
+    window in 64-slot chunks as on a GPU at <= 64 pairs): 3 chunks of a 160-slot window where the rule gives the
+    paged splits the same count as with one window program (1k at batch 1 and 8: 4 splits; batch 1 at 32k: 128,
+    bounded by length), one window program where the chunks would change them (8 x 8 KV heads x 32k: 3 waves of 46
+    splits instead of 2 of 32, measured 5.6% slower; 1 x 8 x 128k: 129 instead of 131). The plan alone."""
+    from kivi_cache.kernels import attention as A
+
+    monkeypatch.setattr(A, "window_chunk", lambda pairs, cap, blk, dev: 64)
+    monkeypatch.setattr(A, "_pick_splits", lambda b, h, w, dev, res, chunks=1: A.split_count(b, h, w, 132, 8, chunks))
+    q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(bsz, hkv, 1, 64, 64, 32, 4, 4, torch.float32,
+                                                               [70] * bsz, [7] * bsz, c=160, width=width)
+    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None, False, False)
+    assert plan.ints[1] == ns
+    if chunked:
+        assert plan.ints[2] == 64 and plan.nsp1 == ns + 3
+    else:
+        assert plan.ints[2] >= 160 and plan.nsp1 == ns + 1
+    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "64")  # the setting: chunks whatever the rule says
+    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None, False, False)
+    assert plan.ints[2] == 64 and plan.nsp1 == plan.ints[1] + 3
+
+
 @pytest.mark.parametrize("grp,splits", [(1, 1), (3, 4), (8, 15), (4, 20)])
 def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
     """The split kernel merging (here KIVI_DECODE_FUSE_MERGE=1; by default at small batches): the last program of
