@@ -28,10 +28,11 @@ is compiled (generate compiles the chunks' forward too): the cache update and th
 the static mode are ``torch.compiler.disable``'d, so such a step breaks its graph once per layer into plain
 Python and dynamo never traces the bookkeeping. The compiled chunks still cost compile time and CUDA-graph
 memory (2.6 GiB at 320 sequences of 4k tokens): :func:`kivi_cache.prefill` stores the prompt without them.
-Measured on an H200 (Llama-3-8B shape, ``generate`` compiling the step with inductor and CUDA graphs, session 17,
-``eval/static_step_probe.py``): batch 1, 8.9-9.0 ms a decode step at 1k context and 10.1 ms at 32k, against
-9.0-9.5 / 19.7 ms for transformers' compiled ``StaticCache`` and 24-33 ms for eager caches; at 320 sequences of 4k
-tokens 31.9 ms against 35.1 for the eager ``QuantizedPagedCache`` (``eval/results/*_s17.json``).
+Measured on an H200 (Llama-3-8B shape, ``generate`` compiling the step with inductor and CUDA graphs, session 18,
+``eval/bench_generate.py``): batch 1, 8.59 ms a decode step at 1k context and 9.23 ms at 32k, against 8.57 / 18.68 ms
+for transformers' compiled ``StaticCache`` in the same runs (``eval/results/bench_generate_{b1,long}_s18.json``);
+at 320 sequences of 4k tokens 31.9 ms against 35.1 for the eager ``QuantizedPagedCache`` (session 17,
+``bench_generate_static_mb_s17.json``).
 """
 
 from __future__ import annotations
