@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_kernels import decode_args, graph_bench, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
+from bench_kernels import cold_graph_bench, decode_args, graph_bench, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
 
 from kivi_cache import kernels as cur  # noqa: E402
 
@@ -33,11 +33,15 @@ ap.add_argument("--shapes", default="8x8x32768,32x8x32768,8x32x32768,1x8x131072,
 ap.add_argument("--bits", default="4/4/32,2/2/32,4/2/64")
 ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time, no launch overhead)")
+ap.add_argument("--cold", action="store_true", help="CUDA-graph replays with L2 flushed before every call "
+                "(bench_kernels.cold_graph_bench: pages and window cold, as inside a model)")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 
 
 def bench(fn):
+    if args.cold:
+        return cold_graph_bench(fn)
     if args.graph:
         return graph_bench(fn, rep=100)
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -71,7 +75,8 @@ def save():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           timing="cuda graph replay" if args.graph else "eager launches (do_bench)", rows=rows),
+                           timing=("cuda graph replay, L2 flushed before every call" if args.cold else
+                                   "cuda graph replay" if args.graph else "eager launches (do_bench)"), rows=rows),
                       f, indent=1)
 
 

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -62,6 +63,43 @@ def graph_bench(fn, rep: int) -> float:
     could read inputs still being written (session 10: an illegal address in ab_decode, gone with a sync)."""
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def cold_graph_bench(fn, rounds: int = 15, calls: int = 10, flush_mib: int = 256) -> float:
+    """Median ms of ``fn`` with a cold L2, as inside a model (where every layer's pages and window are evicted by
+    the weights streaming through L2 between two visits): two CUDA graphs, ``calls`` x (zero a ``flush_mib`` buffer,
+    ``fn``) and ``calls`` x (zero the buffer), replayed alternately ``rounds`` times; the difference of their median
+    replay times over ``calls``. Graph replays and ``do_bench_cudagraph`` keep a small problem in L2 (50 MB on an
+    H200); session 17's A/B of the window chunks saw no gain that way, the compiled model step 18 -> 10 us a call
+    (eval/NOTES.md, session 18)."""
+    flush = torch.empty(flush_mib << 20, dtype=torch.int8, device="cuda")
+
+    def capture(body):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (allocations, first launches)
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                body()
+        return graph
+
+    both = capture(lambda: (flush.zero_(), fn()))
+    alone = capture(flush.zero_)
+    times = {both: [], alone: []}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(rounds):
+        for graph in ((both, alone) if i % 2 == 0 else (alone, both)):
+            torch.cuda.synchronize()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[graph].append(start.elapsed_time(end))
+    return max(0.0, (statistics.median(times[both]) - statistics.median(times[alone])) / calls)
 
 
 def timer(device, graph=False):
