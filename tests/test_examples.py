@@ -16,3 +16,16 @@ def test_op_api_example(bits, bound, capsys):
     assert len(errs) == 2 and max(errs) < bound
     out = capsys.readouterr().out
     assert "x less" in out and "same output as the op: True" in out
+
+
+def test_generate_example_static_cache_gives_int4_tokens(capsys):
+    """examples/generate.py --static on SmolLM2 (CPU): the static int4 cache runs in generate and gives exactly the
+    tokens of Int4PagedCache (fails if the static path stores or attends differently)."""
+    pytest.importorskip("gguf")
+    import generate  # examples/generate.py
+
+    results = generate.main(["--bits", "4", "--static", "--max-new-tokens", "8", "--context-tokens", "200"])
+    tokens = {label: toks for label, _, _, toks, _, _ in results}
+    assert len(tokens) == 3 and all(len(t) == 8 for t in tokens.values())
+    assert tokens["int4 (Int4PagedCache)"] == tokens["int4 static (StaticQuantizedPagedCache)"]
+    assert "same tokens as Int4PagedCache: True" in capsys.readouterr().out
