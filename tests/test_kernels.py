@@ -418,6 +418,42 @@ def test_decode_hypothesis(bsz, hkv, grp, bits, page_groups, data):
     run_decode(args, "decode hypothesis")
 
 
+@settings(max_examples=5, deadline=None)
+@given(
+    bsz=st.integers(1, 3),
+    grp=st.sampled_from([1, 4]),
+    fuse=st.sampled_from(["0", "1"]),
+    newkv=st.booleans(),
+    data=st.data(),
+)
+def test_decode_window_chunks_hypothesis(bsz, grp, fuse, newkv, data):
+    """Random window lengths (0..150 of 150 slots) read in 64-slot chunks (KIVI_DECODE_RCHUNK=64: three programs per
+    (sequence, KV head)), random paged lengths, the step's token written by the kernel or not, merged in the split
+    kernel or by the merge kernel: the reference's output and window."""
+    lengths = [n * 32 for n in data.draw(st.lists(st.integers(0, 4), min_size=bsz, max_size=bsz))]
+    res = data.draw(st.lists(st.integers(0, 150), min_size=bsz, max_size=bsz))
+    res = [r if r or n else 1 for r, n in zip(res, lengths, strict=True)]  # every sequence has some token
+    args = list(decode_case(bsz, 1, grp, 64, 64, 32, 4, 4, torch.float32, lengths, res, c=150))
+    new, want_k, want_v = {}, args[9], args[10]
+    if newkv:
+        new = dict(new_k=torch.randn(bsz, 1, 64, device=DEV), new_v=torch.randn(bsz, 1, 64, device=DEV))
+        want_k, want_v = args[9].clone(), args[10].clone()
+        for b, r in enumerate(res):
+            if r:
+                want_k[b, :, r - 1], want_v[b, :, r - 1] = new["new_k"][b], new["new_v"][b]
+    ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
+    old = {k: os.environ.get(k) for k in ("KIVI_DECODE_RCHUNK", "KIVI_DECODE_FUSE_MERGE")}
+    os.environ.update(KIVI_DECODE_RCHUNK="64", KIVI_DECODE_FUSE_MERGE=fuse)
+    try:
+        rk, rv = args[9].clone(), args[10].clone()
+        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], **new)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
+    assert rel_err(out, ref, "decode window chunks hypothesis") < TOL[torch.float32]
+
+
 # ----------------------------------------------------------------------------- prefix attention
 
 @pytest.mark.parametrize("dtype,kb,vb", [(torch.float16, 4, 2), (torch.float32, 8, 4)])
