@@ -83,6 +83,17 @@ def run_decode(args, tag, **kw):
     assert err < TOL[q.dtype], f"{tag}: relative error {err:.2e}"
 
 
+def window_with_token(res_k, res_v, res_lengths, new_k, new_v):
+    """The windows expected after a decode call that writes the step's token (``new_k/new_v`` ``[B, H, D]``) at
+    ``res_lengths[b] - 1`` of every sequence with a non-empty window: copies, the inputs untouched."""
+    want_k, want_v = res_k.clone(), res_v.clone()
+    for b, r in enumerate(res_lengths.tolist()):
+        if r > 0:
+            want_k[b, :, r - 1] = new_k[b]
+            want_v[b, :, r - 1] = new_v[b]
+    return want_k, want_v
+
+
 # ----------------------------------------------------------------------------- misc
 
 def test_available():
@@ -437,19 +448,13 @@ def test_decode_window_chunks_hypothesis(bsz, grp, fuse, newkv, data):
     new, want_k, want_v = {}, args[9], args[10]
     if newkv:
         new = dict(new_k=torch.randn(bsz, 1, 64, device=DEV), new_v=torch.randn(bsz, 1, 64, device=DEV))
-        want_k, want_v = args[9].clone(), args[10].clone()
-        for b, r in enumerate(res):
-            if r:
-                want_k[b, :, r - 1], want_v[b, :, r - 1] = new["new_k"][b], new["new_v"][b]
+        want_k, want_v = window_with_token(args[9], args[10], args[11], new["new_k"], new["new_v"])
     ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
-    old = {k: os.environ.get(k) for k in ("KIVI_DECODE_RCHUNK", "KIVI_DECODE_FUSE_MERGE")}
-    os.environ.update(KIVI_DECODE_RCHUNK="64", KIVI_DECODE_FUSE_MERGE=fuse)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # (hypothesis: no function-scoped monkeypatch fixture)
+        mp.setenv("KIVI_DECODE_RCHUNK", "64")
+        mp.setenv("KIVI_DECODE_FUSE_MERGE", fuse)
         rk, rv = args[9].clone(), args[10].clone()
         out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], **new)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
     assert rel_err(out, ref, "decode window chunks hypothesis") < TOL[torch.float32]
 
@@ -532,11 +537,7 @@ def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, fo
     q, res_k, res_v, rl = args[0], args[9], args[10], args[11]
     new_k = torch.randn(bsz, hkv, d, device=DEV).to(dtype)
     new_v = torch.randn(bsz, hkv, d, device=DEV).to(dtype)
-    want_k, want_v = res_k.clone(), res_v.clone()
-    for b in range(bsz):
-        if rl[b] > 0:
-            want_k[b, :, rl[b] - 1] = new_k[b]
-            want_v[b, :, rl[b] - 1] = new_v[b]
+    want_k, want_v = window_with_token(res_k, res_v, rl, new_k, new_v)
     ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
     nk, nv = (new_k[:, :, None], new_v[:, :, None]) if four_d else (new_k, new_v)
     for impl in (K, R):
@@ -569,11 +570,7 @@ def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
     want_k, want_v = res_k, res_v
     if newkv:
         new = dict(new_k=torch.randn(bsz, hkv, d, device=DEV), new_v=torch.randn(bsz, hkv, d, device=DEV))
-        want_k, want_v = res_k.clone(), res_v.clone()
-        for b in range(bsz):
-            if rls[b]:
-                want_k[b, :, rls[b] - 1] = new["new_k"][b]
-                want_v[b, :, rls[b] - 1] = new["new_v"][b]
+        want_k, want_v = window_with_token(res_k, res_v, args[11], new["new_k"], new["new_v"])
     ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
     for _ in range(2):  # on a GPU the plan is kept from the second call (once the kernel's residency is known)
         rk, rv = res_k.clone(), res_v.clone()

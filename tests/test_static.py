@@ -32,7 +32,6 @@ def test_static_generates_the_dynamic_caches_tokens(make):
     assert cache.layers[0].pool.capacity == 2 * QuantConfig(**CFG).pages_per_sequence(128)
 
 
-
 def test_static_step_on_the_kernels_matches_the_reference():
     """The static step through the Triton kernels (on CPU the interpreter: append_and_flush, then the decode
     kernels) gives the torch reference path's tokens and logits; 40 steps of a batch of 2 with two flushes each
@@ -55,6 +54,7 @@ def test_static_step_on_the_kernels_matches_the_reference():
     assert torch.equal(res["torch"].sequences, res["triton"].sequences)
     torch.testing.assert_close(torch.stack(res["triton"].logits), torch.stack(res["torch"].logits), rtol=1e-4,
                                atol=1e-4)
+
 
 def _decode_logits(model, ids, forward, steps):
     cache = StaticQuantizedPagedCache(model, 96, **CFG)
