@@ -67,6 +67,9 @@ from ._util import (
 )
 from .dequant import dequantize_pages
 from .unpack import (
+    EXACT,
+    FOLD_E,
+    SRCMINS,
     fold_pairs_asm,
     fold_scale,
     join_planes2,
@@ -172,25 +175,37 @@ def _rows(x, G: tl.constexpr):
 
 @triton.jit
 def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ODD: tl.constexpr):
+               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ODD: tl.constexpr, SRCMIN: tl.constexpr):
     """Folded, pair-packed key scales of plane k for the step's groups (``srow``/``zrow``: [GPS] row
     pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token);
     with ``ODD`` pairs of channels (4w + p, 4w + p + 2), as ``pairs_asm(..., ODD=True)`` makes the codes.
     With ``ASM`` (GPU) the pairs are loaded as int32 (the pools viewed as int32) and folded by PTX in
-    packed half2 arithmetic, with no repacking; else folded in Triton and packed."""
+    packed half2 arithmetic, with no repacking; else folded in Triton and packed. Zero points are folded with
+    ``fold_exp`` of each pair (the same for both pairs unless ``ODD`` and a code is read in place)."""
+    E0: tl.constexpr = FOLD_E[(BITS, BF16, ODD, SRCMIN, k, 0)]
+    E1: tl.constexpr = FOLD_E[(BITS, BF16, ODD, SRCMIN, k, 1)]
     if ASM:
         offs = (k * (DK // 2) + tl.arange(0, DK // 2))[None, :]  # int32 pairs of plane k: word w, pair p at 2w + p
-        sf, zf = fold_pairs_asm(tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs),
-                                tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs),
-                                BITS, BF16)
-        s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
-        z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
-        if ODD:
-            s0, s1 = odd_pairs_asm(s0, s1)
-            z0, z1 = odd_pairs_asm(z0, z1)
+        sw = tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs)
+        zw = tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs)
+        if E0 == E1:
+            sf, zf = fold_pairs_asm(sw, zw, E0, BF16)
+            s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
+            z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
+            if ODD:
+                s0, s1 = odd_pairs_asm(s0, s1)
+                z0, z1 = odd_pairs_asm(z0, z1)
+        else:  # ODD: the pairs first, then each folded with its own power of two
+            s0, s1 = odd_pairs_asm(*tl.split(tl.reshape(sw, [sw.shape[0], DK // 4, 2])))
+            z0, z1 = odd_pairs_asm(*tl.split(tl.reshape(zw, [zw.shape[0], DK // 4, 2])))
+            s0, z0 = fold_pairs_asm(s0, z0, E0, BF16)
+            s1, z1 = fold_pairs_asm(s1, z1, E1, BF16)
     else:
-        sf, zf = fold_scale(tl.load(srow[:, None, None] + k * DK + kcols[None]),
-                            tl.load(zrow[:, None, None] + k * DK + kcols[None]), BITS, DT)
+        sl = tl.load(srow[:, None, None] + k * DK + kcols[None])
+        zl = tl.load(zrow[:, None, None] + k * DK + kcols[None])
+        sf, zf = fold_scale(sl, zl, E0, DT)
+        if E0 != E1:  # channel 4w + b is in pair b % 2 (ODD)
+            zf = tl.where((kcols % 2 == 0)[None], zf, fold_scale(sl, zl, E1, DT)[1])
         s0, s1 = pack_channel_pairs(sf, DT, ODD)
         z0, z1 = pack_channel_pairs(zf, DT, ODD)
     return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
@@ -223,15 +238,15 @@ def _pair_columns(p, WD: tl.constexpr, NV: tl.constexpr):
 
 
 @triton.jit
-def _fold_pair(s, z, BITS: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
-    """A pair of two tokens' scales and zeros (int32 tiles) -> (s pair, folded z pair), the fma operands of
-    ``pairs_asm``: one packed fma on the GPU, else unpacked, folded in DT and packed again."""
+def _fold_pair(s, z, E: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    """A pair of two tokens' scales and zeros (int32 tiles) -> (s pair, z pair folded with ``2**E``), the fma
+    operands of ``pairs_asm``: one packed fma on the GPU, else unpacked, folded in DT and packed again."""
     if ASM:
-        return fold_pairs_asm(s, z, BITS, BF16)
+        return fold_pairs_asm(s, z, E, BF16)
     s_lo, s_hi = unpack_half(s, DT)
     z_lo, z_hi = unpack_half(z, DT)
-    a, b = fold_scale(s_lo, z_lo, BITS, DT)
-    c, d = fold_scale(s_hi, z_hi, BITS, DT)
+    a, b = fold_scale(s_lo, z_lo, E, DT)
+    c, d = fold_scale(s_hi, z_hi, E, DT)
     return pack2(a, c), pack2(b, d)
 
 
@@ -256,6 +271,7 @@ def _decode_split_kernel(
     MERGE: tl.constexpr = 0,  # the last program of a (sequence, KV head) merges the partials into out (no 2nd kernel)
     BM: tl.constexpr = 1,  # MERGE: next power of two of the programs per pair (NS + window chunks)
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
+    SRCMIN: tl.constexpr = EXACT,  # codes read in place from this mantissa bit up (unpack.field; EXACT: top only)
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -345,26 +361,30 @@ def _decode_split_kernel(
                 zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
                 s = tl.zeros([BLOCK, GP], tl.float32)
                 if HALF:
-                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD)
+                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD, SRCMIN)
                     if NK >= 2:
-                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD)
+                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD,
+                                                        SRCMIN)
                     else:
                         f10, f11, g10, g11 = f00, f01, g00, g01
                     if NK == 4:
-                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD)
-                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD)
+                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD,
+                                                        SRCMIN)
+                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD,
+                                                        SRCMIN)
                     else:
                         f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                     if KASM:
                         kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
-                                       f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD)
+                                       f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD, SRCMIN)
                     for k in tl.static_range(NK):
                         if KASM:
                             kk = plane(kp[2 * k], kp[2 * k + 1], DT)
                         else:
                             kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
                                                 _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT,
-                                                False, KODD)
+                                                False, KODD, FOLD_E[(KBITS, BF16, KODD, SRCMIN, k, 0)],
+                                                FOLD_E[(KBITS, BF16, KODD, SRCMIN, k, 1)])
                         s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
                 else:
                     for k in tl.static_range(NK):
@@ -388,21 +408,21 @@ def _decode_split_kernel(
                     if HALF:  # pairs of two tokens' scales (int32 loads), folded: the fma operands of the unpack
                         s00, s01, s10, s11, s20, s21, s30, s31 = _pair_columns(s32 + gs // 2, BLOCK // TW, NV)
                         z00, z01, z10, z11, z20, z21, z30, z31 = _pair_columns(z32 + gs // 2, BLOCK // TW, NV)
-                        e00, h00 = _fold_pair(s00, z00, VBITS, DT, BF16, VASM)
-                        e01, h01 = _fold_pair(s01, z01, VBITS, DT, BF16, VASM)
+                        e00, h00 = _fold_pair(s00, z00, FOLD_E[(VBITS, BF16, True, SRCMIN, 0, 0)], DT, BF16, VASM)
+                        e01, h01 = _fold_pair(s01, z01, FOLD_E[(VBITS, BF16, True, SRCMIN, 0, 1)], DT, BF16, VASM)
                         e10, h10, e11, h11 = e00, h00, e01, h01
                         if NV >= 2:
-                            e10, h10 = _fold_pair(s10, z10, VBITS, DT, BF16, VASM)
-                            e11, h11 = _fold_pair(s11, z11, VBITS, DT, BF16, VASM)
+                            e10, h10 = _fold_pair(s10, z10, FOLD_E[(VBITS, BF16, True, SRCMIN, 1, 0)], DT, BF16, VASM)
+                            e11, h11 = _fold_pair(s11, z11, FOLD_E[(VBITS, BF16, True, SRCMIN, 1, 1)], DT, BF16, VASM)
                         e20, h20, e21, h21, e30, h30, e31, h31 = e00, h00, e01, h01, e00, h00, e01, h01
                         if NV == 4:
-                            e20, h20 = _fold_pair(s20, z20, VBITS, DT, BF16, VASM)
-                            e21, h21 = _fold_pair(s21, z21, VBITS, DT, BF16, VASM)
-                            e30, h30 = _fold_pair(s30, z30, VBITS, DT, BF16, VASM)
-                            e31, h31 = _fold_pair(s31, z31, VBITS, DT, BF16, VASM)
+                            e20, h20 = _fold_pair(s20, z20, FOLD_E[(VBITS, BF16, True, SRCMIN, 2, 0)], DT, BF16, VASM)
+                            e21, h21 = _fold_pair(s21, z21, FOLD_E[(VBITS, BF16, True, SRCMIN, 2, 1)], DT, BF16, VASM)
+                            e30, h30 = _fold_pair(s30, z30, FOLD_E[(VBITS, BF16, True, SRCMIN, 3, 0)], DT, BF16, VASM)
+                            e31, h31 = _fold_pair(s31, z31, FOLD_E[(VBITS, BF16, True, SRCMIN, 3, 1)], DT, BF16, VASM)
                         if VASM:
                             vp = pairs_asm(words, e00, h00, e01, h01, e10, h10, e11, h11, e20, h20, e21, h21, e30,
-                                           h30, e31, h31, VBITS, BF16, True)
+                                           h30, e31, h31, VBITS, BF16, True, SRCMIN)
                     for k in tl.static_range(NV):
                         if not HALF:
                             vt = token_plane_plain(words, k, vs_h + page * s_vsp + gs + start % P,
@@ -414,8 +434,10 @@ def _decode_split_kernel(
                             else:
                                 f0, g0 = _pick4(k, e00, e10, e20, e30), _pick4(k, h00, h10, h20, h30)
                                 f1, g1 = _pick4(k, e01, e11, e21, e31), _pick4(k, h01, h11, h21, h31)
-                                u0 = pair_emulated(words, k, 0, f0, g0, VBITS, DT, True)
-                                u1 = pair_emulated(words, k, 1, f1, g1, VBITS, DT, True)
+                                u0 = pair_emulated(words, k, 0, f0, g0, VBITS, DT, True,
+                                                   FOLD_E[(VBITS, BF16, True, SRCMIN, k, 0)])
+                                u1 = pair_emulated(words, k, 1, f1, g1, VBITS, DT, True,
+                                                   FOLD_E[(VBITS, BF16, True, SRCMIN, k, 1)])
                             if phase == 1:  # tokens past the end (their scales may be anything: 0 * inf) -> +0.0
                                 # on the packed pairs (pair q of word w: tokens TW w + 4k + 2q + half), not on the
                                 # tile: a select on the tile kept Triton 3.9 from building the MMA operand in
@@ -622,6 +644,15 @@ RESIDENT_DEFAULT = 8
 _RESIDENT: dict = {}
 
 
+def _srcmin() -> dict:
+    """``SRCMIN`` of the unpack (``KIVI_UNPACK_SRCMIN``: 16 = exact, the default; 6 or 4 read codes in place from
+    that mantissa bit up, with a larger rounding of the folded zero points: ``kernels.unpack.field``)."""
+    v = int(os.environ.get("KIVI_UNPACK_SRCMIN", EXACT))
+    if v not in SRCMINS:
+        raise ValueError(f"KIVI_UNPACK_SRCMIN must be one of {SRCMINS}, got {v}")
+    return {} if v == EXACT else dict(SRCMIN=v)
+
+
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
     """Warps an SM holds by registers alone (sm_80/sm_90): each of its 4 sub-partitions has a quarter of the
     register file, allocated per warp in units of 256 registers; at most 64."""
@@ -724,7 +755,7 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
              "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
              "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
-             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK")
+             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK", "KIVI_UNPACK_SRCMIN")
 _plan_env = env_reader(_PLAN_ENV)
 # at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
 # GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.4% faster (H200, eval/NOTES.md s14)
@@ -775,7 +806,8 @@ class _DecodePlan:
                     KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
-                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk))
+                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
+                    **_srcmin())
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]
         rch = window_chunk(bsz * hkv, cap, blk_r, q.device)

@@ -24,7 +24,10 @@ register relabelling: join, permute, reshape).
   the PTX) and for 8-bit codes.
 
 Scales enter as they are, zero points folded to ``z - 2**bits s`` (:func:`fold_scale`), both
-packed as pairs (:func:`pack2`), the layout of the fma operands.
+packed as pairs (:func:`pack2`), the layout of the fma operands. A code that already sits in the top
+mantissa bits of a half is not shifted there (2-bit keys, plane 0); ``SRCMIN`` (env ``KIVI_UNPACK_SRCMIN``,
+default exact) also lets codes lower in the mantissa be read in place, with the zero point folded with a
+larger power of two (:func:`field`: fewer shifts, a larger rounding of the folded zero point).
 """
 
 from __future__ import annotations
@@ -32,30 +35,62 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# SRCMIN of the fields a code may be read from without a shift (see ``field``): ``EXACT`` reads only
+# fields already at the top of the mantissa (results bit-identical to shifting every code there).
+EXACT = 16
+SRCMINS = (EXACT, 6, 4)
 
-def _asm(bits: int, bf16: bool, odd: bool = False) -> str:
+
+def field(bits: int, bf16: bool, odd: bool, k: int, p: int, srcmin: int = EXACT) -> tuple[int, int]:
+    """Where the unpack of plane ``k``, pair ``p`` reads its code: ``(pos, shift)``, the code's bit position in
+    each half after ``shift`` (> 0 left, < 0 right, 0 none) of the pair's source register. A code already at a
+    position ``pos`` with ``pos + bits <= mantissa`` and ``pos >= min(srcmin, top)`` is taken there (no shift);
+    its value is then ``2**(mantissa - pos) + c`` and the zero point is folded with that power of two
+    (:func:`fold_exp`). The fold's one rounding is at most ``s * 2**(-1 - pos)`` (fp16): ``s / 2**(11 - bits)`` at
+    the top position ``mantissa - bits`` (the only one with ``srcmin = EXACT``), ``s / 32`` at position 4.
+    Sources: without ``odd`` the pair's register holds byte ``2p`` (``2p + 1``) twice in the low (high) half, so a
+    code sits at ``k * bits`` and ``8 + k * bits``; with ``odd`` the word itself, byte ``p`` (``p + 2``) at
+    ``8p + k * bits``."""
+    mant = 7 if bf16 else 10
+    top = mant - bits
+    srcs = [8 * p + k * bits] if odd else [8 + k * bits, k * bits]
+    for src in srcs:
+        if src + bits <= mant and src >= min(srcmin, top):
+            return src, 0
+    return top, top - srcs[-1]
+
+
+def fold_exp(bits: int, bf16: bool, odd: bool, k: int, p: int, srcmin: int = EXACT) -> int:
+    """The power of two the zero point of plane ``k``, pair ``p`` is folded with: ``z - 2**e s`` (``bits`` at the
+    top position)."""
+    return (7 if bf16 else 10) - field(bits, bf16, odd, k, p, srcmin)[0]
+
+
+def _asm(bits: int, bf16: bool, odd: bool = False, srcmin: int = EXACT) -> str:
     """PTX for one word. Operands: outputs $(2k+p) for plane k, pair p; input word $n2 (n2 = 2 * planes);
-    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p). Pair p holds bytes (2p, 2p + 1)
-    (channels 4w + 2p, 4w + 2p + 1); with ``odd`` bytes (p, p + 2) instead (channels 4w + p, 4w + p + 2):
-    they already sit in the two halves of the word, so a shift of the whole word replaces the prmt."""
+    then per plane k, pair p: scale $(n2+1+4k+2p), zero $(n2+2+4k+2p) (folded with ``fold_exp``). Pair p holds
+    bytes (2p, 2p + 1) (channels 4w + 2p, 4w + 2p + 1); with ``odd`` bytes (p, p + 2) instead (channels 4w + p,
+    4w + p + 2): they already sit in the two halves of the word, so a shift of the whole word replaces the prmt.
+    Each code is read where :func:`field` says: a shift (unless it is already in place) and one ``lop3``."""
     n = 8 // bits
     n2 = 2 * n
-    top = 7 if bf16 else 10  # mantissa bits
-    one = (127 + bits) << 7 if bf16 else (15 + bits) << 10  # 2**bits: its ulp * 2**(top - bits) is 1
-    magic = f"0x{one | one << 16:08X}"  # 2**bits in both halves
-    field = ((1 << bits) - 1) << (top - bits)
-    mask = f"0x{field | field << 16:08X}"
+    mant = 7 if bf16 else 10
     fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
     if odd:
         lines = ["{", ".reg .b32 u;"]
     else:
         lines = ["{", ".reg .b32 t0, t1, u;",
-                 f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1
+                 f"prmt.b32 t0, ${n2}, ${n2}, 0x1100;",  # bytes 0, 1 -> halves 0, 1 (each byte twice)
                  f"prmt.b32 t1, ${n2}, ${n2}, 0x3322;"]  # bytes 2, 3
     for k in range(n):
         for p in range(2):
             t = f"${n2}" if odd else f"t{p}"
-            sh = top - bits - k * bits - (8 * p if odd else 0)
+            pos, sh = field(bits, bf16, odd, k, p, srcmin)
+            e = mant - pos  # the value is 2**e + c: its ulp is 1
+            one = (127 + e) << 7 if bf16 else (15 + e) << 10
+            magic = f"0x{one | one << 16:08X}"
+            fld = ((1 << bits) - 1) << pos
+            mask = f"0x{fld | fld << 16:08X}"
             if sh > 0:
                 lines.append(f"shl.b32 u, {t}, {sh};")
             elif sh < 0:
@@ -68,10 +103,10 @@ def _asm(bits: int, bf16: bool, odd: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _fold_asm(bits: int, bf16: bool) -> str:
-    """PTX folding a pair of zero points (two packed halves): $0 = z - 2**bits * s (one rounding), from
+def _fold_asm(e: int, bf16: bool) -> str:
+    """PTX folding a pair of zero points (two packed halves): $0 = z - 2**e * s (one rounding), from
     $1 = s, $2 = z. The scale pair itself is the fma's multiplier as it is."""
-    one = (127 + bits) << 7 if bf16 else (15 + bits) << 10
+    one = (127 + e) << 7 if bf16 else (15 + e) << 10
     t = "bf16x2" if bf16 else "f16x2"
     return "\n".join(["{", ".reg .b32 c;", f"mov.b32 c, 0x{(one | 0x8000) * 0x10001:08X};",
                       f"fma.rn.{t} $0, $1, c, $2;", "}"])
@@ -82,31 +117,29 @@ def _constraints(bits: int) -> str:
     return ",".join(["=r"] * (2 * n) + ["r"] * (1 + 4 * n))
 
 
-PAIRS = tl.constexpr({(b, f, o): _asm(b, f, o) for b in (2, 4) for f in (False, True) for o in (False, True)})
+PAIRS = tl.constexpr({(b, f, o, m): _asm(b, f, o, m) for b in (2, 4) for f in (False, True) for o in (False, True)
+                     for m in SRCMINS})
+FOLD_E = tl.constexpr({(b, f, o, m, k, p): fold_exp(b, f, o, k, p, m) for b in (2, 4, 8) for f in (False, True)
+                      for o in (False, True) for m in SRCMINS for k in range(8 // b) for p in (0, 1)})
+FOLDS = tl.constexpr({(e, f): _fold_asm(e, f) for e in range(1, 11) for f in (False, True)})
 CON4 = tl.constexpr(_constraints(4))
-FOLD4_F16 = tl.constexpr(_fold_asm(4, False))
-FOLD4_BF16 = tl.constexpr(_fold_asm(4, True))
-FOLD2_F16 = tl.constexpr(_fold_asm(2, False))
-FOLD2_BF16 = tl.constexpr(_fold_asm(2, True))
 CON2 = tl.constexpr(_constraints(2))
 
 
 @triton.jit
-def fold_scale(s, z, BITS: tl.constexpr, DT: tl.constexpr):
-    """(s, z - 2**bits * s) in DT (fp16/bf16): the fma operands of ``pairs_asm``. Computed in DT
-    (packed half2 math on the GPU): the product is exact, the difference rounded once, as in fp32."""
+def fold_scale(s, z, E: tl.constexpr, DT: tl.constexpr):
+    """(s, z - 2**E * s) in DT (fp16/bf16): the fma operands of ``pairs_asm`` (``E``: :func:`fold_exp`, ``bits``
+    for a code at the top of the mantissa). Computed in DT (packed half2 math on the GPU): the product is exact,
+    the difference rounded once, as in fp32."""
     sd = s.to(DT)
-    return sd, z.to(DT) - sd * (1 << BITS)
+    return sd, z.to(DT) - sd * (1 << E)
 
 
 @triton.jit
-def fold_pairs_asm(s, z, BITS: tl.constexpr, BF16: tl.constexpr):
+def fold_pairs_asm(s, z, E: tl.constexpr, BF16: tl.constexpr):
     """``fold_scale`` on int32 tiles that hold (scale, scale) and (zero, zero) pairs of adjacent channels,
     as loaded from the fp16/bf16 pools viewed as int32: one packed fma per pair (GPU only)."""
-    if BITS == 4:
-        ASM: tl.constexpr = FOLD4_BF16 if BF16 else FOLD4_F16
-    else:
-        ASM: tl.constexpr = FOLD2_BF16 if BF16 else FOLD2_F16
+    ASM: tl.constexpr = FOLDS[(E, BF16)]
     return s, tl.inline_asm_elementwise(ASM, "=r,r,r", [s, z], dtype=tl.int32, is_pure=True, pack=1)
 
 
@@ -177,41 +210,45 @@ def plane(p0, p1, DT: tl.constexpr, CUT: tl.constexpr = False, ASM: tl.constexpr
 
 @triton.jit
 def pairs_asm(words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7, z7,
-              BITS: tl.constexpr, BF16: tl.constexpr, ODD: tl.constexpr = False):
+              BITS: tl.constexpr, BF16: tl.constexpr, ODD: tl.constexpr = False, SRCMIN: tl.constexpr = EXACT):
     """words [N, W] int32; (s2k+p, z2k+p): packed folded scales of plane k, pair p (broadcastable to
-    words; planes beyond 8 // BITS are ignored). Returns 2 * (8 // BITS) int32 tiles, plane-major.
-    ``ODD``: pair p holds channels (4w + p, 4w + p + 2) (see ``_asm``)."""
+    words; planes beyond 8 // BITS are ignored; zero points folded with ``fold_exp(..., SRCMIN)``). Returns
+    2 * (8 // BITS) int32 tiles, plane-major. ``ODD``: pair p holds channels (4w + p, 4w + p + 2) (see ``_asm``)."""
     if BITS == 4:
-        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON4, [words, s0, z0, s1, z1, s2, z2, s3, z3],
+        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD, SRCMIN)], CON4,
+                                         [words, s0, z0, s1, z1, s2, z2, s3, z3],
                                          dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD)], CON2,
+        return tl.inline_asm_elementwise(PAIRS[(BITS, BF16, ODD, SRCMIN)], CON2,
                                          [words, s0, z0, s1, z1, s2, z2, s3, z3, s4, z4, s5, z5, s6, z6, s7, z7],
                                          dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
 def pair_emulated(words, k: tl.constexpr, p: tl.constexpr, sp, zp, BITS: tl.constexpr, DT: tl.constexpr,
-                  ODD: tl.constexpr = False):
-    """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = (2**bits + c) * s + zf."""
+                  ODD: tl.constexpr = False, E: tl.constexpr = 0):
+    """Plane k, pair p of ``pairs_asm`` in plain Triton (fp32 math): c * s + z = (2**E + c) * s + zf, zf the zero
+    point folded with ``E`` (0: ``BITS``)."""
+    EF: tl.constexpr = E if E > 0 else BITS
     s_lo, s_hi = unpack_half(sp, DT)
     z_lo, z_hi = unpack_half(zp, DT)
     lo: tl.constexpr = 8 * p if ODD else 16 * p  # bit offset of the low half's byte
     hi: tl.constexpr = 8 * p + 16 if ODD else 16 * p + 8
     c_lo = (words >> (lo + k * BITS)) & ((1 << BITS) - 1)
     c_hi = (words >> (hi + k * BITS)) & ((1 << BITS) - 1)
-    v_lo = (c_lo + (1 << BITS)).to(tl.float32) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
-    v_hi = (c_hi + (1 << BITS)).to(tl.float32) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
+    v_lo = (c_lo + (1 << EF)).to(tl.float32) * s_lo.to(tl.float32) + z_lo.to(tl.float32)
+    v_hi = (c_hi + (1 << EF)).to(tl.float32) * s_hi.to(tl.float32) + z_hi.to(tl.float32)
     return pack2(v_lo.to(DT), v_hi.to(DT))
 
 
 @triton.jit
 def plane_emulated(words, k: tl.constexpr, s0, z0, s1, z1, BITS: tl.constexpr, DT: tl.constexpr,
-                   CUT: tl.constexpr = False, ODD: tl.constexpr = False):
-    """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``; ``CUT`` as for
-    :func:`plane`, without the asm; ``ODD`` as for ``pairs_asm``: position 4w + 2p + h holds channel 4w + p + 2h)."""
-    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT, ODD), pair_emulated(words, k, 1, s1, z1, BITS, DT, ODD),
-                 DT, CUT, False)
+                   CUT: tl.constexpr = False, ODD: tl.constexpr = False, E0: tl.constexpr = 0, E1: tl.constexpr = 0):
+    """Plane k as [N, 4W] DT from the emulated pairs 0 and 1 (scales as for ``pairs_asm``, folded with ``E0``/``E1``;
+    ``CUT`` as for :func:`plane`, without the asm; ``ODD`` as for ``pairs_asm``: position 4w + 2p + h holds channel
+    4w + p + 2h)."""
+    return plane(pair_emulated(words, k, 0, s0, z0, BITS, DT, ODD, E0),
+                 pair_emulated(words, k, 1, s1, z1, BITS, DT, ODD, E1), DT, CUT, False)
 
 
 @triton.jit

@@ -493,6 +493,23 @@ def test_decode_half_precision_dot_path(kb, vb, g):
     run_decode(args, f"decode half-dot {kb}/{vb}", _force_half_dot=True)
 
 
+@pytest.mark.parametrize("srcmin", [6, 4])
+@pytest.mark.parametrize("kb,vb,g", [(4, 4, 32), (2, 2, 32), (4, 2, 64), (4, 4, 64)])
+def test_decode_half_dot_codes_read_in_place(kb, vb, g, srcmin, monkeypatch):
+    """KIVI_UNPACK_SRCMIN: codes read where they sit in the mantissa, zero points folded with that field's power of
+    two (unpack.field); 4-bit keys in groups of 64 (ODD pairs) fold their two pairs with different powers."""
+    monkeypatch.setenv("KIVI_UNPACK_SRCMIN", str(srcmin))
+    args = decode_case(2, 2, 4, 64, 128, g, kb, vb, torch.float16, [96, 192], [5, 17])
+    run_decode(args, f"decode half-dot srcmin{srcmin} {kb}/{vb}", _force_half_dot=True)
+
+
+def test_decode_rejects_an_unknown_srcmin(monkeypatch):
+    monkeypatch.setenv("KIVI_UNPACK_SRCMIN", "5")
+    args = decode_case(1, 2, 4, 64, 128, 32, 4, 4, torch.float16, [96], [5])
+    with pytest.raises(ValueError, match="KIVI_UNPACK_SRCMIN"):
+        run_decode(args, "srcmin 5", _force_half_dot=True)
+
+
 @pytest.mark.parametrize("splits", [3, 6])
 def test_decode_half_dot_splits_past_the_end(splits):
     """64-token steps (unmasked loop + partial-step loop) with splits that start past a sequence's end."""

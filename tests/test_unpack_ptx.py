@@ -79,10 +79,11 @@ def _pair(lo, hi):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("odd", [False, True])
-def test_pairs_ptx(bits, odd):
-    rng = np.random.default_rng(bits + 2 * odd)
+@pytest.mark.parametrize("srcmin", unpack.SRCMINS)
+def test_pairs_ptx(bits, odd, srcmin):
+    rng = np.random.default_rng(bits + 2 * odd + srcmin)
     n = 8 // bits
-    src = unpack._asm(bits, False, odd)
+    src = unpack._asm(bits, False, odd, srcmin)
     for _ in range(50):
         word = int(rng.integers(0, 1 << 32))
         byts = word.to_bytes(4, "little")
@@ -90,37 +91,58 @@ def test_pairs_ptx(bits, odd):
         ref = {}
         for k in range(n):
             for p in range(2):
+                e = unpack.fold_exp(bits, False, odd, k, p, srcmin)
                 s = rng.uniform(0.01, 0.5, 2).astype(np.float16)
                 z = rng.uniform(-2, 2, 2).astype(np.float16)
-                zf = (z.astype(np.float64) - s.astype(np.float64) * (1 << bits)).astype(np.float16)
+                zf = (z.astype(np.float64) - s.astype(np.float64) * (1 << e)).astype(np.float16)
                 ops[f"${2 * n + 1 + 4 * k + 2 * p}"] = _pair(*s)
                 ops[f"${2 * n + 2 + 4 * k + 2 * p}"] = _pair(*zf)
                 bi = (p, p + 2) if odd else (2 * p, 2 * p + 1)  # bytes in the low, high half
                 c = [(byts[b] >> (k * bits)) & ((1 << bits) - 1) for b in bi]
-                ref[f"${2 * k + p}"] = [(c[h] + (1 << bits)) * float(s[h]) + float(zf[h]) for h in range(2)]
+                ref[f"${2 * k + p}"] = [(c[h] + (1 << e)) * float(s[h]) + float(zf[h]) for h in range(2)]
+                # the folded form is c * s + z up to the fold's one rounding, which field() bounds by s * 2**-(1+pos)
+                pos = unpack.field(bits, False, odd, k, p, srcmin)[0]
+                exact = [c[h] * float(s[h]) + float(z[h]) for h in range(2)]
+                bound = [float(s[h]) * 2.0 ** (-1 - pos) + 2 ** -10 * (abs(exact[h]) + 1) for h in range(2)]
+                assert all(abs(ref[f"${2 * k + p}"][h] - exact[h]) <= bound[h] for h in range(2))
         out = run_ptx(src, ops)
         for key, r in ref.items():
             got = _h2(out[key]).astype(np.float64)
             np.testing.assert_array_equal(got, np.array(r).astype(np.float16).astype(np.float64))
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_fold_ptx(bits):
-    rng = np.random.default_rng(bits)
+def test_exact_fields_are_the_top_of_the_mantissa():
+    """The default reads a code in place only where it already sits in the top bits (the old shifts' target)."""
+    for bits in (2, 4):
+        for bf16 in (False, True):
+            for odd in (False, True):
+                for k in range(8 // bits):
+                    for p in (0, 1):
+                        assert unpack.fold_exp(bits, bf16, odd, k, p) == bits
+    # and the in-place reads remove shifts: 2-bit keys (plane 0), more with a lower SRCMIN
+    shifts = {m: unpack._asm(2, False, False, m).count("sh") for m in unpack.SRCMINS}
+    assert shifts[unpack.EXACT] == 6 and shifts[6] == 4 and shifts[4] == 2
+    assert unpack._asm(4, False, False, 4).count("sh") == 2 and unpack._asm(4, False, False).count("sh") == 4
+
+
+@pytest.mark.parametrize("e", [2, 4, 6])
+def test_fold_ptx(e):
+    rng = np.random.default_rng(e)
     for _ in range(50):
         s = rng.uniform(0.01, 0.5, 2).astype(np.float16)
         z = rng.uniform(-2, 2, 2).astype(np.float16)
-        want = (z.astype(np.float64) - s.astype(np.float64) * (1 << bits)).astype(np.float16)
-        out = run_ptx(unpack._fold_asm(bits, False), {"$1": _pair(*s), "$2": _pair(*z)})
+        want = (z.astype(np.float64) - s.astype(np.float64) * (1 << e)).astype(np.float16)
+        out = run_ptx(unpack._fold_asm(e, False), {"$1": _pair(*s), "$2": _pair(*z)})
         np.testing.assert_array_equal(_h2(out["$0"]), want)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("odd", [False, True])
-def test_pairs_ptx_bf16_fields(bits, odd):
-    """bf16: after shift + lop3 the code sits in the top mantissa bits of 2**bits (checked on the bits)."""
+@pytest.mark.parametrize("srcmin", unpack.SRCMINS)
+def test_pairs_ptx_bf16_fields(bits, odd, srcmin):
+    """bf16: after shift + lop3 the code sits in the mantissa of 2**e, e = fold_exp (checked on the bits)."""
     n = 8 // bits
-    src = unpack._asm(bits, True, odd).replace("fma.rn.bf16x2", "mov.b32")
+    src = unpack._asm(bits, True, odd, srcmin).replace("fma.rn.bf16x2", "mov.b32")
     src = re.sub(r"mov\.b32 (\$\d+), u, \$\d+, \$\d+", r"mov.b32 \1, u", src)
     rng = np.random.default_rng(7)
     for _ in range(20):
@@ -130,11 +152,12 @@ def test_pairs_ptx_bf16_fields(bits, odd):
         for k in range(n):
             for p in range(2):
                 bi = (p, p + 2) if odd else (2 * p, 2 * p + 1)
+                e = unpack.fold_exp(bits, True, odd, k, p, srcmin)
                 for h in range(2):
                     c = (byts[bi[h]] >> (k * bits)) & ((1 << bits) - 1)
                     half = (out[f"${2 * k + p}"] >> (16 * h)) & 0xFFFF
                     v = np.array([half << 16], dtype=np.uint32).view(np.float32)[0]
-                    assert v == (1 << bits) + c
+                    assert v == (1 << e) + c
 
 
 def test_odd_pairs_ptx():
