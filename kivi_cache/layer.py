@@ -546,11 +546,13 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self._select(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest tokens: ``crop(-n)`` removes n; ``crop(m)`` with m >= 0 keeps the first m."""
+        """Drop the newest tokens: ``crop(-n)`` removes n; ``crop(m)`` with m > 0 keeps the first m (the older
+        transformers' form); ``crop(0)`` removes nothing (transformers >= 5.24 calls it when assisted decoding
+        accepted every candidate)."""
         if not self.is_initialized:
             return
         self._flush_pending()
-        remove = -tokens_to_remove if tokens_to_remove < 0 else max(0, self.seen - tokens_to_remove)
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self.seen - tokens_to_remove)
         remove = min(remove, self.seen)
         if remove == 0:
             return

@@ -403,6 +403,26 @@ def test_assisted_decoding_with_crop():
     assert torch.equal(out, ref)
 
 
+def test_prompt_lookup_decoding_matches_dynamic_cache():
+    """Every candidate accepted: transformers >= 5.24 then calls ``crop(0)``, which removes nothing."""
+    model = tiny_llama()
+    head = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([head, head[:, :20]], 1)  # a repeat: the lookup's candidates are taken whole
+    ref = gen(model, ids, DynamicCache())
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    out = gen(model, ids, cache, prompt_lookup_num_tokens=5)
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+def test_crop_zero_removes_nothing():
+    model = tiny_llama()
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    stepwise_logits(model, torch.randint(0, 128, (1, 50)), cache, 40)
+    cache.crop(0)
+    assert cache.get_seq_length() == 50 and cache.layers[0].q_lens[0] + cache.layers[0].r_lens[0] == 50
+
+
 def test_crop_within_residual_equals_never_having_seen_the_tokens():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 80))
