@@ -109,10 +109,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         and the sinks' tokens: ~2 spare pages per sequence, 1.6 GiB at 320 x 4k on Llama-3-8B)."""
         return max(1, self.cfg.pages_per_sequence(self.max_cache_len))
 
-    def commit(self, step, valid=None) -> None:
-        super().commit(step, valid)
+    def commit(self, step, valid=None, defer_write=False) -> bool:
+        super().commit(step, valid)  # the window written here (a one-token prompt too): the static state reads it
         if not self.static:
             self._to_static()
+        return False
 
     def _to_static(self) -> None:
         """After the prompt: fixed pages for every sequence, state as device tensors."""

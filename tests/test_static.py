@@ -155,6 +155,14 @@ def test_binding_does_not_capture_other_caches():
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
 
 
+def test_static_with_a_one_token_prompt_matches_dynamic():
+    """A one-token prompt is stored by the one-token path (the window write left to the decode op)."""
+    model = tiny_llama()
+    ids = torch.randint(1, 100, (2, 1), generator=torch.Generator().manual_seed(3))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG))
+    assert torch.equal(_generate(model, ids, StaticQuantizedPagedCache(model, 64, **CFG)), ref)
+
+
 def test_static_with_left_padding_matches_dynamic():
     """Ragged prompts (left padding): per-sequence lengths live on the device in static mode."""
     model = tiny_qwen2()
