@@ -599,13 +599,22 @@ class QuantizedPagedLayer(CacheLayerMixin):
         raise NotImplementedError("kivi_cache does not support cache offloading")
 
     # ----------------------------------------------------------------- memory
+    def _held_page_tokens(self) -> int:
+        """Quantized tokens the pages hold: a page shared by several sequences (beams) counted once, by its
+        fullest sequence."""
+        p, held = self.cfg.page_size, {}
+        for table, q in zip(self.tables, self.q_lens, strict=True):
+            for j, page in enumerate(table):
+                held[page] = max(held.get(page, 0), min(p, max(0, q - j * p)))
+        return sum(held.values())
+
     def memory_stats(self) -> dict:
         if self.pool is None:
             return {}
         c, h, d = self.cfg, self.num_heads, self.head_dim
         per_page = self.pool.page_nbytes()
         live_q = sum(self.q_lens)
-        frac = live_q / c.page_size
+        frac = self._held_page_tokens() / c.page_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         live_r = sum(self.r_lens)
         live_s = sum(self.sinks)

@@ -563,6 +563,20 @@ def test_memory_report_counts_bytes_exactly():
     assert "compression" in str(rep)
 
 
+def test_memory_report_counts_shared_pages_once():
+    """Beams (or repeated rows) share their pages: the report counts the bytes held, each page once."""
+    model = tiny_llama(layers=1)
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 200)), **cache_kwargs(model, cache))
+    alone = cache.memory_report()
+    cache.batch_repeat_interleave(8)  # 8 rows on the same pages, each its own window
+    rep = cache.memory_report()
+    assert (rep.codes, rep.scales, rep.zeros) == (alone.codes, alone.scales, alone.zeros)
+    assert rep.residual == 8 * alone.residual and rep.quantized_tokens == 8 * alone.quantized_tokens
+    assert rep.allocated == rep.live + rep.pool_slack and rep.pool_slack >= 0
+
+
 def test_handles_materialize_for_user_code():
     cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
     k = torch.randn(1, 2, 40, 32)
