@@ -41,6 +41,7 @@ import torch
 
 from . import ops
 from .cache import INT4_PRESET, QuantizedPagedCache
+from .config import _check_int
 from .layer import QuantizedPagedLayer, query_len
 
 # ----------------------------------------------------------------------------- custom ops
@@ -247,8 +248,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
     """
 
     def __init__(self, model, max_cache_len: int, **quant):
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        _check_int("max_cache_len", max_cache_len, 1)
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len)
