@@ -61,6 +61,11 @@ class QuantConfig:
                 f"group_size must be at least {32 // self.value_bits} with value_bits={self.value_bits} "
                 f"(a group of values fills whole 32-bit words of tokens), got group_size={self.group_size}"
             )
+        if self.group_size * self.value_bits % 32:
+            raise ValueError(
+                f"group_size must be a multiple of {32 // self.value_bits} with value_bits={self.value_bits} "
+                f"(a group of values fills whole 32-bit words of tokens), got group_size={self.group_size}"
+            )
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this configuration cannot store heads of ``head_dim`` channels."""

@@ -546,11 +546,13 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self._select(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest tokens: ``crop(-n)`` removes n; ``crop(m)`` with m >= 0 keeps the first m."""
+        """Drop the newest tokens: ``crop(-n)`` removes n; ``crop(m)`` with m > 0 keeps the first m (the older
+        transformers' form); ``crop(0)`` removes nothing (transformers >= 5.24 calls it when assisted decoding
+        accepted every candidate)."""
         if not self.is_initialized:
             return
         self._flush_pending()
-        remove = -tokens_to_remove if tokens_to_remove < 0 else max(0, self.seen - tokens_to_remove)
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self.seen - tokens_to_remove)
         remove = min(remove, self.seen)
         if remove == 0:
             return
@@ -597,13 +599,22 @@ class QuantizedPagedLayer(CacheLayerMixin):
         raise NotImplementedError("kivi_cache does not support cache offloading")
 
     # ----------------------------------------------------------------- memory
+    def _held_page_tokens(self) -> int:
+        """Quantized tokens the pages hold: a page shared by several sequences (beams) counted once, by its
+        fullest sequence."""
+        p, held = self.cfg.page_size, {}
+        for table, q in zip(self.tables, self.q_lens, strict=True):
+            for j, page in enumerate(table):
+                held[page] = max(held.get(page, 0), min(p, max(0, q - j * p)))
+        return sum(held.values())
+
     def memory_stats(self) -> dict:
         if self.pool is None:
             return {}
         c, h, d = self.cfg, self.num_heads, self.head_dim
         per_page = self.pool.page_nbytes()
         live_q = sum(self.q_lens)
-        frac = live_q / c.page_size
+        frac = self._held_page_tokens() / c.page_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         live_r = sum(self.r_lens)
         live_s = sum(self.sinks)

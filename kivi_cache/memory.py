@@ -12,7 +12,7 @@ class MemoryReport:
     """Bytes by kind, summed over layers.
 
     ``codes``, ``scales``, ``zeros``: live quantized tokens (pages in use, counted
-    by the tokens they hold); ``residual``: live full-precision tokens, of which
+    by the tokens they hold; a page that beams share counted once); ``residual``: live full-precision tokens, of which
     ``sinks`` are the attention-sink tokens (``sink_tokens`` token-layers);
     ``pool_slack``: allocated but unused bytes (free pages, unfilled page slots,
     unused residual slots); ``pool_allocated``: everything the cache allocated;

@@ -29,7 +29,7 @@ def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     The cache must be empty; afterwards pass the whole ``input_ids`` (and mask) to ``generate`` with it."""
     if input_ids.ndim != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [batch, tokens] with at least 2 tokens, got {tuple(input_ids.shape)}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "

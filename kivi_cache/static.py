@@ -41,6 +41,7 @@ import torch
 
 from . import ops
 from .cache import INT4_PRESET, QuantizedPagedCache
+from .config import _check_int
 from .layer import QuantizedPagedLayer, query_len
 
 # ----------------------------------------------------------------------------- custom ops
@@ -109,10 +110,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         and the sinks' tokens: ~2 spare pages per sequence, 1.6 GiB at 320 x 4k on Llama-3-8B)."""
         return max(1, self.cfg.pages_per_sequence(self.max_cache_len))
 
-    def commit(self, step, valid=None) -> None:
-        super().commit(step, valid)
+    def commit(self, step, valid=None, defer_write=False) -> bool:
+        super().commit(step, valid)  # the window written here (a one-token prompt too): the static state reads it
         if not self.static:
             self._to_static()
+        return False
 
     def _to_static(self) -> None:
         """After the prompt: fixed pages for every sequence, state as device tensors."""
@@ -246,8 +248,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
     """
 
     def __init__(self, model, max_cache_len: int, **quant):
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        _check_int("max_cache_len", max_cache_len, 1)
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len)

@@ -403,6 +403,26 @@ def test_assisted_decoding_with_crop():
     assert torch.equal(out, ref)
 
 
+def test_prompt_lookup_decoding_matches_dynamic_cache():
+    """Every candidate accepted: transformers >= 5.24 then calls ``crop(0)``, which removes nothing."""
+    model = tiny_llama()
+    head = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([head, head[:, :20]], 1)  # a repeat: the lookup's candidates are taken whole
+    ref = gen(model, ids, DynamicCache())
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    out = gen(model, ids, cache, prompt_lookup_num_tokens=5)
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+def test_crop_zero_removes_nothing():
+    model = tiny_llama()
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    stepwise_logits(model, torch.randint(0, 128, (1, 50)), cache, 40)
+    cache.crop(0)
+    assert cache.get_seq_length() == 50 and cache.layers[0].q_lens[0] + cache.layers[0].r_lens[0] == 50
+
+
 def test_crop_within_residual_equals_never_having_seen_the_tokens():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 80))
@@ -541,6 +561,20 @@ def test_memory_report_counts_bytes_exactly():
     assert rep.allocated == rep.live + rep.pool_slack and rep.pool_slack >= 0
     assert rep.compression == pytest.approx(rep.fp16_equivalent / rep.live)
     assert "compression" in str(rep)
+
+
+def test_memory_report_counts_shared_pages_once():
+    """Beams (or repeated rows) share their pages: the report counts the bytes held, each page once."""
+    model = tiny_llama(layers=1)
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 200)), **cache_kwargs(model, cache))
+    alone = cache.memory_report()
+    cache.batch_repeat_interleave(8)  # 8 rows on the same pages, each its own window
+    rep = cache.memory_report()
+    assert (rep.codes, rep.scales, rep.zeros) == (alone.codes, alone.scales, alone.zeros)
+    assert rep.residual == 8 * alone.residual and rep.quantized_tokens == 8 * alone.quantized_tokens
+    assert rep.allocated == rep.live + rep.pool_slack and rep.pool_slack >= 0
 
 
 def test_handles_materialize_for_user_code():

@@ -53,6 +53,11 @@ def test_group_smaller_than_a_word_of_value_codes_is_refused():
     with pytest.raises(ValueError, match="group_size must be at least 8 with value_bits=4"):
         QuantizedPagedCache(group_size=4, page_size=32)
     QuantizedPagedCache(value_bits=8, group_size=4, page_size=32)  # 4 tokens x 8 bits: one word
+    # more than a word but not whole words: refused up front, not at the first flush (a reshape error mid-generation)
+    with pytest.raises(ValueError, match="group_size must be a multiple of 16 with value_bits=2"):
+        QuantizedPagedCache(value_bits=2, group_size=24, page_size=48)
+    with pytest.raises(ValueError, match="group_size must be a multiple of 4 with value_bits=8"):
+        QuantizedPagedCache(key_bits=8, value_bits=8, group_size=6, page_size=12)
 
 
 def test_backend_name_validated():

@@ -128,8 +128,9 @@ def test_a_compiled_step_past_max_cache_len_fails():
 def test_static_errors():
     model = tiny_llama()
     ids = torch.randint(0, 100, (1, 40))
-    with pytest.raises(ValueError, match="max_cache_len"):
-        StaticQuantizedPagedCache(model, 0)
+    for bad in (0, True, 64.0):
+        with pytest.raises(ValueError, match=r"max_cache_len must be an integer >= 1"):
+            StaticQuantizedPagedCache(model, bad)
     cache = StaticQuantizedPagedCache(model, 30, **CFG)
     with pytest.raises(ValueError, match="max_cache_len"), torch.no_grad():
         model(ids, **cache_kwargs(model, cache))
@@ -153,6 +154,14 @@ def test_binding_does_not_capture_other_caches():
     _generate(model, ids, static, n=8)
     after = [_generate(model, ids, DynamicCache(), n=8), _generate(model, ids, QuantizedPagedCache(**q8), n=8)]
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+def test_static_with_a_one_token_prompt_matches_dynamic():
+    """A one-token prompt is stored by the one-token path (the window write left to the decode op)."""
+    model = tiny_llama()
+    ids = torch.randint(1, 100, (2, 1), generator=torch.Generator().manual_seed(3))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG))
+    assert torch.equal(_generate(model, ids, StaticQuantizedPagedCache(model, 64, **CFG)), ref)
 
 
 def test_static_with_left_padding_matches_dynamic():
@@ -318,6 +327,7 @@ def test_prefill_errors():
     ids = torch.randint(0, 100, (2, 10))
     cache = QuantizedPagedCache(**CFG)
     for bad, match in ((dict(input_ids=ids[:, :1]), "at least 2 tokens"), (dict(chunk_size=0), "chunk_size"),
+                       (dict(chunk_size=True), "chunk_size"),
                        (dict(attention_mask=torch.ones(2, 9)), "attention_mask")):
         args = {**dict(input_ids=ids, attention_mask=None, chunk_size=None), **bad}
         with pytest.raises(ValueError, match=match):
