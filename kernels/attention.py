@@ -650,7 +650,7 @@ def _srcmin() -> dict:
     v = int(os.environ.get("KIVI_UNPACK_SRCMIN", EXACT))
     if v not in SRCMINS:
         raise ValueError(f"KIVI_UNPACK_SRCMIN must be one of {SRCMINS}, got {v}")
-    return {} if v == EXACT else dict(SRCMIN=v)
+    return dict(SRCMIN=v)
 
 
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
