@@ -175,15 +175,16 @@ def _rows(x, G: tl.constexpr):
 
 @triton.jit
 def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ODD: tl.constexpr, SRCMIN: tl.constexpr):
+               DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ODD: tl.constexpr, FK: tl.constexpr):
     """Folded, pair-packed key scales of plane k for the step's groups (``srow``/``zrow``: [GPS] row
     pointers): (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4] int32 (one row per token);
     with ``ODD`` pairs of channels (4w + p, 4w + p + 2), as ``pairs_asm(..., ODD=True)`` makes the codes.
     With ``ASM`` (GPU) the pairs are loaded as int32 (the pools viewed as int32) and folded by PTX in
     packed half2 arithmetic, with no repacking; else folded in Triton and packed. Zero points are folded with
-    ``fold_exp`` of each pair (the same for both pairs unless ``ODD`` and a code is read in place)."""
-    E0: tl.constexpr = FOLD_E[(BITS, BF16, ODD, SRCMIN, k, 0)]
-    E1: tl.constexpr = FOLD_E[(BITS, BF16, ODD, SRCMIN, k, 1)]
+    ``fold_exp`` of each pair (the same for both pairs unless ``ODD`` and a code is read in place; ``FK``: the
+    keys' ``unpack.fold_key``)."""
+    E0: tl.constexpr = FOLD_E[(FK * 8 + k) * 2]
+    E1: tl.constexpr = FOLD_E[(FK * 8 + k) * 2 + 1]
     if ASM:
         offs = (k * (DK // 2) + tl.arange(0, DK // 2))[None, :]  # int32 pairs of plane k: word w, pair p at 2w + p
         sw = tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs)
@@ -301,6 +302,8 @@ def _decode_split_kernel(
     # Key codes as ODD pairs (no byte shuffles; q's rows and the key scale pairs follow): the scale pairs
     # then cost two prmt per pair, once per key group and lane, which pays off from 64-token groups.
     KODD: tl.constexpr = HALF and G >= 64
+    KFK: tl.constexpr = ((KBITS * 2 + BF16) * 2 + KODD) * 32 + SRCMIN  # unpack.fold_key of the key / value unpack
+    VFK: tl.constexpr = ((VBITS * 2 + BF16) * 2 + 1) * 32 + SRCMIN
     offs_g = tl.arange(0, GP)
     hq = h * GROUP + offs_g
     gmask = offs_g < GROUP
@@ -361,17 +364,17 @@ def _decode_split_kernel(
                 zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
                 s = tl.zeros([BLOCK, GP], tl.float32)
                 if HALF:
-                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD, SRCMIN)
+                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD, KFK)
                     if NK >= 2:
                         f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD,
-                                                        SRCMIN)
+                                                        KFK)
                     else:
                         f10, f11, g10, g11 = f00, f01, g00, g01
                     if NK == 4:
                         f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD,
-                                                        SRCMIN)
+                                                        KFK)
                         f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD,
-                                                        SRCMIN)
+                                                        KFK)
                     else:
                         f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                     if KASM:
@@ -383,8 +386,7 @@ def _decode_split_kernel(
                         else:
                             kk = plane_emulated(kw, k, _pick4(k, f00, f10, f20, f30), _pick4(k, g00, g10, g20, g30),
                                                 _pick4(k, f01, f11, f21, f31), _pick4(k, g01, g11, g21, g31), KBITS, DT,
-                                                False, KODD, FOLD_E[(KBITS, BF16, KODD, SRCMIN, k, 0)],
-                                                FOLD_E[(KBITS, BF16, KODD, SRCMIN, k, 1)])
+                                                False, KODD, FOLD_E[(KFK * 8 + k) * 2], FOLD_E[(KFK * 8 + k) * 2 + 1])
                         s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
                 else:
                     for k in tl.static_range(NK):
@@ -408,18 +410,18 @@ def _decode_split_kernel(
                     if HALF:  # pairs of two tokens' scales (int32 loads), folded: the fma operands of the unpack
                         s00, s01, s10, s11, s20, s21, s30, s31 = _pair_columns(s32 + gs // 2, BLOCK // TW, NV)
                         z00, z01, z10, z11, z20, z21, z30, z31 = _pair_columns(z32 + gs // 2, BLOCK // TW, NV)
-                        e00, h00 = _fold_pair(s00, z00, FOLD_E[(VBITS, BF16, True, SRCMIN, 0, 0)], DT, BF16, VASM)
-                        e01, h01 = _fold_pair(s01, z01, FOLD_E[(VBITS, BF16, True, SRCMIN, 0, 1)], DT, BF16, VASM)
+                        e00, h00 = _fold_pair(s00, z00, FOLD_E[(VFK * 8 + 0) * 2 + 0], DT, BF16, VASM)
+                        e01, h01 = _fold_pair(s01, z01, FOLD_E[(VFK * 8 + 0) * 2 + 1], DT, BF16, VASM)
                         e10, h10, e11, h11 = e00, h00, e01, h01
                         if NV >= 2:
-                            e10, h10 = _fold_pair(s10, z10, FOLD_E[(VBITS, BF16, True, SRCMIN, 1, 0)], DT, BF16, VASM)
-                            e11, h11 = _fold_pair(s11, z11, FOLD_E[(VBITS, BF16, True, SRCMIN, 1, 1)], DT, BF16, VASM)
+                            e10, h10 = _fold_pair(s10, z10, FOLD_E[(VFK * 8 + 1) * 2 + 0], DT, BF16, VASM)
+                            e11, h11 = _fold_pair(s11, z11, FOLD_E[(VFK * 8 + 1) * 2 + 1], DT, BF16, VASM)
                         e20, h20, e21, h21, e30, h30, e31, h31 = e00, h00, e01, h01, e00, h00, e01, h01
                         if NV == 4:
-                            e20, h20 = _fold_pair(s20, z20, FOLD_E[(VBITS, BF16, True, SRCMIN, 2, 0)], DT, BF16, VASM)
-                            e21, h21 = _fold_pair(s21, z21, FOLD_E[(VBITS, BF16, True, SRCMIN, 2, 1)], DT, BF16, VASM)
-                            e30, h30 = _fold_pair(s30, z30, FOLD_E[(VBITS, BF16, True, SRCMIN, 3, 0)], DT, BF16, VASM)
-                            e31, h31 = _fold_pair(s31, z31, FOLD_E[(VBITS, BF16, True, SRCMIN, 3, 1)], DT, BF16, VASM)
+                            e20, h20 = _fold_pair(s20, z20, FOLD_E[(VFK * 8 + 2) * 2 + 0], DT, BF16, VASM)
+                            e21, h21 = _fold_pair(s21, z21, FOLD_E[(VFK * 8 + 2) * 2 + 1], DT, BF16, VASM)
+                            e30, h30 = _fold_pair(s30, z30, FOLD_E[(VFK * 8 + 3) * 2 + 0], DT, BF16, VASM)
+                            e31, h31 = _fold_pair(s31, z31, FOLD_E[(VFK * 8 + 3) * 2 + 1], DT, BF16, VASM)
                         if VASM:
                             vp = pairs_asm(words, e00, h00, e01, h01, e10, h10, e11, h11, e20, h20, e21, h21, e30,
                                            h30, e31, h31, VBITS, BF16, True, SRCMIN)
@@ -435,9 +437,9 @@ def _decode_split_kernel(
                                 f0, g0 = _pick4(k, e00, e10, e20, e30), _pick4(k, h00, h10, h20, h30)
                                 f1, g1 = _pick4(k, e01, e11, e21, e31), _pick4(k, h01, h11, h21, h31)
                                 u0 = pair_emulated(words, k, 0, f0, g0, VBITS, DT, True,
-                                                   FOLD_E[(VBITS, BF16, True, SRCMIN, k, 0)])
+                                                   FOLD_E[(VFK * 8 + k) * 2])
                                 u1 = pair_emulated(words, k, 1, f1, g1, VBITS, DT, True,
-                                                   FOLD_E[(VBITS, BF16, True, SRCMIN, k, 1)])
+                                                   FOLD_E[(VFK * 8 + k) * 2 + 1])
                             if phase == 1:  # tokens past the end (their scales may be anything: 0 * inf) -> +0.0
                                 # on the packed pairs (pair q of word w: tokens TW w + 4k + 2q + half), not on the
                                 # tile: a select on the tile kept Triton 3.9 from building the MMA operand in

@@ -119,8 +119,17 @@ def _constraints(bits: int) -> str:
 
 PAIRS = tl.constexpr({(b, f, o, m): _asm(b, f, o, m) for b in (2, 4) for f in (False, True) for o in (False, True)
                      for m in SRCMINS})
-FOLD_E = tl.constexpr({(b, f, o, m, k, p): fold_exp(b, f, o, k, p, m) for b in (2, 4, 8) for f in (False, True)
-                      for o in (False, True) for m in SRCMINS for k in range(8 // b) for p in (0, 1)})
+
+
+def fold_key(bits: int, bf16: bool, odd: bool, srcmin: int) -> int:
+    """The integer key of ``FOLD_E`` for plane 0, pair 0 (plane k, pair p: ``(key * 8 + k) * 2 + p``). An int, not a
+    tuple: Triton 3.6's interpreter cannot index a constexpr dict with a tuple. The kernels compute it inline."""
+    return ((bits * 2 + bf16) * 2 + odd) * 32 + srcmin
+
+
+FOLD_E = tl.constexpr({(fold_key(b, f, o, m) * 8 + k) * 2 + p: fold_exp(b, f, o, k, p, m) for b in (2, 4, 8)
+                      for f in (False, True) for o in (False, True) for m in SRCMINS for k in range(8 // b)
+                      for p in (0, 1)})
 FOLDS = tl.constexpr({(e, f): _fold_asm(e, f) for e in range(1, 11) for f in (False, True)})
 CON4 = tl.constexpr(_constraints(4))
 CON2 = tl.constexpr(_constraints(2))
