@@ -101,3 +101,18 @@ def test_prefix_and_dequantize_reject_bad_arguments(mod):
     with pytest.raises(ValueError, match="lengths must be in"):
         mod.dequantize_pages(a["block_table"], ints(-32, 0), *a["pool"], 4, 4, G)
 
+
+def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
+    """set_backend('triton') with CPU tensors and no interpreter: a clear error, not Triton's '0 active drivers'."""
+    from kivi_cache import ops
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a = decode_args()
+    ops.set_backend("triton")
+    try:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"],
+                                       res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+                                       group_size=G, sm_scale=0.125)
+    finally:
+        ops.set_backend("auto")
