@@ -10,6 +10,18 @@ ALLOWED_HEAD_DIMS = (64, 128, 256)
 ALLOWED_BITS = (2, 4, 8)
 
 
+CHECK_INDICES = os.environ.get("KIVI_CHECK_INDICES") == "1"  # as kivi_cache.checks.CHECK_INDICES
+
+
+def checks():
+    """:mod:`kivi_cache.checks` (the ops' argument checks), imported on first use: transformers probes for a top-level
+    ``kernels`` package and, with the repository root on sys.path, imports this one while kivi_cache is still being
+    imported."""
+    from kivi_cache import checks as mod  # noqa: PLC0415
+
+    return mod
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -869,11 +869,12 @@ def _check_new_token(new_k, new_v, q, res_k, res_v):
 def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
               out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v):
     return (out.stride(), q.device, q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
-            block_table.dtype, lengths.dtype, res_lengths.dtype, k_codes.shape, k_codes.stride(), k_codes.dtype,
-            k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.stride(), k_zero.dtype, v_codes.shape,
-            v_codes.stride(), v_scale.shape, v_scale.stride(), v_scale.dtype, v_scale.storage_offset() % 2,
-            v_zero.stride(), v_zero.dtype, v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype,
-            res_v.stride(), res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
+            block_table.dtype, lengths.shape, lengths.dtype, res_lengths.shape, res_lengths.dtype, k_codes.shape,
+            k_codes.stride(), k_codes.dtype, k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.shape,
+            k_zero.stride(), k_zero.dtype, v_codes.shape, v_codes.stride(), v_scale.shape, v_scale.stride(),
+            v_scale.dtype, v_scale.storage_offset() % 2, v_zero.shape, v_zero.stride(), v_zero.dtype,
+            v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype, res_v.shape, res_v.stride(),
+            res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
             None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env())
 
 
@@ -956,6 +957,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     and whose recording fails on a tensor of that pool kept alive (``StaticQuantizedPagedCache`` does).
     :class:`DecodeRunner` plans once for many calls.
     """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if new_k is not None:
@@ -979,13 +982,18 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                     res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain, new_k,
                     new_v)
     plan = _PLANS.get(key)
-    if plan is None:
+    if plan is None:  # shapes, dtypes and devices: once per key (their values below, where that needs no sync)
+        pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+        _util.checks().check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
+                                       group_size, values=False)
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                            value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None)
         if plan.final:
             if len(_PLANS) > 4096:  # shapes seen by a long-lived process: keep the cache bounded
                 _PLANS.clear()
             _PLANS[key] = plan
+    if not q.is_cuda or _util.CHECK_INDICES:
+        _util.checks().attention_values(block_table, lengths, k_codes, res_k, res_lengths)
     if bsz == 0 or hq == 0:
         return out
     ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
@@ -1160,6 +1168,10 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     (512 MiB) of keys, values and mask; ``batch_slice`` fixes the sequences per slice instead.
     One device sync (``lengths.max()``).
     """
+    chk = _util.checks()
+    chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
+                        res_lengths, key_bits, value_bits, group_size)
+    chk.check_prefix_chunk(q, new_k, new_v, new_mask)
     bsz, hq, ql, d = q.shape
     _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
     _, hkv, p, _ = k_codes.shape

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _util
 from ._util import block_tokens, check_settings, interpreting
 
 
@@ -111,9 +112,10 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     ``max_len=None`` reads ``lengths.max()`` (one device sync). ``out=(k, v)``
     preallocated ``[B, H, T, D]`` outputs (last dim contiguous) are written in place if given.
     """
-    b = block_table.shape[0]
-    _, h, p, _ = k_codes.shape
-    d = k_scale.shape[-1]
+    chk = _util.checks()
+    pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    np_, h, p, d = chk.check_pool(pool, key_bits, value_bits, group_size)
+    b = chk.check_tables(block_table, lengths, np_, p)
     check_settings(d, key_bits, value_bits, group_size, p)
     t = int(lengths.max()) if (max_len is None and b > 0) else (max_len or 0)
     if out is None:

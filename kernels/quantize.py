@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _util
 from ._util import Launcher, check_settings, env_reader
 
 
@@ -119,14 +120,15 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     """Triton twin of :func:`kivi_cache.reference.quantize_and_write` (same arguments, in place).
 
     k, v: ``[N, H, G, D]`` (last dim contiguous); pool tensors with a contiguous
-    last dim (other strides are passed to the kernel).
+    last dim (other strides are passed to the kernel). Checked as the reference
+    (:func:`kivi_cache.checks.check_write`).
     """
+    pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    _util.checks().check_write(k, v, pages, slots, pool, key_bits, value_bits, group_size)
     n, h, g, d = k.shape
     if n == 0:
         return
     check_settings(d, key_bits, value_bits, group_size, k_codes.shape[2])
-    if g != group_size or tuple(v.shape) != (n, h, g, d):
-        raise ValueError(f"k and v must be [N, H, group_size={group_size}, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -238,6 +240,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
                      residual_length: int, sink_length: int) -> None:
     """Triton twin of :func:`kivi_cache.reference.append_and_flush` (same arguments, in place): one launch, grid
     ``(B, H, 2)``; the lengths are read, never written."""
+    _util.checks().check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
+                               (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size)
     bsz, h, cap, d = res_k.shape
     if bsz == 0:
         return

@@ -9,6 +9,7 @@ once, so a GPU run is never silently slow. ``"torch"`` forces the reference,
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -53,6 +54,10 @@ def _impl(device_type: str):
         mod = _load_kernels()
         if mod is None:
             raise RuntimeError(f"backend 'triton' requested but the kernels cannot load ({_kernel_error})")
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"backend 'triton' runs the kernels on CUDA tensors, or on other devices only under "
+                               f"TRITON_INTERPRET=1 (set before kivi_cache.kernels is imported); got {device_type} "
+                               f"tensors (set_backend('auto') or 'torch' uses the reference there)")
         return mod
     if device_type != "cuda":
         return reference

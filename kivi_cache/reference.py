@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
 from .quant import (
     dequantize_keys,
     dequantize_values,
@@ -46,8 +47,10 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
 
     k, v: ``[N, H, G, D]`` (G = group_size consecutive tokens of one sequence).
     pages: ``[N]`` int page ids; slots: ``[N]`` int token offsets in the page
-    (multiples of G).
+    (multiples of G). Checked by :func:`kivi_cache.checks.check_write` (ValueError) before anything is written.
     """
+    pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    checks.check_write(k, v, pages, slots, pool, key_bits, value_bits, group_size)
     if k.shape[0] == 0:
         return
     g = group_size
@@ -83,8 +86,10 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
        tokens after it move down to slots ``s .. s + R - 1``.
 
     The lengths are read, not written: the caller advances them (``res_lengths += 1 - G * full``, ``lengths += G *
-    full``, the sinks as in 2.), with ``full`` as in 3.
+    full``, the sinks as in 2.), with ``full`` as in 3. Checked by :func:`kivi_cache.checks.check_flush`.
     """
+    checks.check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
+                       (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size)
     if new_k.dim() == 4:
         new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
     bsz = res_k.shape[0]
@@ -119,6 +124,9 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     Returns k, v ``[B, H, T, D]`` in the scale dtype, T = max_len (default:
     ``max(lengths)``); positions at or past a sequence's length are zero.
     """
+    np_, _, p, _ = checks.check_pool((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits,
+                                     group_size)
+    checks.check_tables(block_table, lengths, np_, p)
     b = block_table.shape[0]
     _, h, p, _ = k_codes.shape
     d = k_scale.shape[-1]
@@ -191,6 +199,10 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     ``merge`` (the kernels' choice of where partial results are merged) changes nothing here.
     Returns ``[B, Hq, D]`` in q's dtype.
     """
+    checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
+                           res_v, res_lengths, key_bits, value_bits, group_size)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     if new_k is not None:
         if new_k.dim() == 4:
             new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
@@ -214,6 +226,9 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     Every stored token (pages and residual) is visible to every query.
     Returns ``[B, Hq, L, D]`` in q's dtype.
     """
+    checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
+                           res_v, res_lengths, key_bits, value_bits, group_size)
+    checks.check_prefix_chunk(q, new_k, new_v, new_mask)
     k, v, valid = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     ql = q.shape[2]

@@ -1,0 +1,201 @@
+"""Argument checks of the paged ops, shared by the torch reference and the Triton kernels.
+
+Every check raises ``ValueError`` naming the parameter and what it must be, before anything is written.
+Shapes, dtypes and devices are always checked (no device work). The *values* of the index tensors (pages and
+slots, lengths against the block table and the window) are checked where that costs no device sync: on tensors
+outside a GPU, or on a GPU with ``KIVI_CHECK_INDICES=1`` (one sync per call; for debugging). On a GPU without it
+the caller guarantees them (the cache does): out-of-range values there read or write out of bounds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ALLOWED_BITS
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+INTS = (torch.int32, torch.int64)
+POOL_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+CHECK_INDICES = os.environ.get("KIVI_CHECK_INDICES") == "1"
+
+
+def shape_of(name: str, t, dims: int) -> tuple:
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a {dims}-d tensor, got {got}")
+    return tuple(t.shape)
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{name} must have dtype in {allowed}, got {t.dtype}")
+
+
+def check_device(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}; every tensor of the op must be on {device} (the pool's)")
+
+
+def check_pool(pool, key_bits: int, value_bits: int, group_size: int) -> tuple:
+    """The six pool tensors against each other, the bits and the group (layout in :mod:`kivi_cache.reference`):
+    returns ``(NP, H, P, D)``."""
+    if len(pool) != 6:
+        raise ValueError(f"the pool is 6 tensors {POOL_NAMES}, got {len(pool)}")
+    np_, h, p, _ = shape_of("k_codes", pool[0], 4)
+    d = shape_of("k_scale", pool[1], 4)[-1]
+    g = group_size
+    for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if b not in ALLOWED_BITS:
+            raise ValueError(f"{name} must be one of {ALLOWED_BITS}, got {b!r}")
+    if not isinstance(g, int) or g < 1 or d % g or p % g:
+        raise ValueError(f"group_size={g!r} must divide head_dim={d} and page_size={p}")
+    want = ((np_, h, p, d * key_bits // 8), (np_, h, p // g, d), (np_, h, p // g, d),
+            (np_, h, d, p * value_bits // 8), (np_, h, d // g, p), (np_, h, d // g, p))
+    for name, t, w in zip(POOL_NAMES, pool, want, strict=True):
+        if shape_of(name, t, 4) != w:
+            raise ValueError(f"{name} must be {list(w)} ([NP, H, P={p}, D={d}] pool, key_bits={key_bits}, "
+                             f"value_bits={value_bits}, group_size={g}), got {list(t.shape)}")
+    for name, t in zip(POOL_NAMES, pool, strict=True):
+        check_dtype(name, t, (torch.uint8,) if name.endswith("codes") else FLOATS)
+    for a, b in ((1, 2), (4, 5)):
+        if pool[a].dtype != pool[b].dtype:
+            raise ValueError(f"{POOL_NAMES[b]} must have {POOL_NAMES[a]}'s dtype {pool[a].dtype}, got {pool[b].dtype}")
+    check_device(pool[0].device, **dict(zip(POOL_NAMES, pool, strict=True)))
+    return np_, h, p, d
+
+
+def values_checked(t: torch.Tensor) -> bool:
+    """Whether the values of index tensor ``t`` are checked (no device sync, or asked for)."""
+    return not t.is_cuda or CHECK_INDICES
+
+
+def check_write(k, v, pages, slots, pool, key_bits: int, value_bits: int, group_size: int) -> None:
+    """quantize_and_write's arguments: k, v ``[N, H, G, D]``; pages, slots ``[N]`` integers, page ids in
+    ``[0, NP)`` and slots multiples of G in ``[0, P)``."""
+    np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
+    n = shape_of("k", k, 4)[0]
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (n, h, group_size, d):
+            raise ValueError(f"{name} must be [N, H={h}, group_size={group_size}, D={d}] like the pool, got "
+                             f"{list(t.shape)}")
+        check_dtype(name, t, FLOATS)
+    for name, t in (("pages", pages), ("slots", slots)):
+        if shape_of(name, t, 1) != (n,):
+            raise ValueError(f"{name} must be [N={n}] (one per group of k), got {list(t.shape)}")
+        check_dtype(name, t, INTS)
+    check_device(pool[0].device, k=k, v=v, pages=pages, slots=slots)
+    if n and values_checked(pages):
+        if bool(((pages < 0) | (pages >= np_)).any()):
+            raise ValueError(f"pages must be page ids in [0, {np_}), got {pages.tolist()}")
+        if bool(((slots < 0) | (slots >= p) | (slots % group_size != 0)).any()):
+            raise ValueError(f"slots must be multiples of group_size={group_size} in [0, page_size={p}), got "
+                             f"{slots.tolist()}")
+
+
+def check_tables(block_table, lengths, np_: int, p: int, values: bool = True) -> int:
+    """block_table ``[B, W]`` and lengths ``[B]`` integers; by value (``values`` and :func:`values_checked`): ``0 <=
+    lengths[b] <= W * P`` and the pages of a sequence's tokens (its first ``ceil(lengths[b] / P)`` entries) in
+    ``[0, NP)``. Returns B."""
+    bsz, width = shape_of("block_table", block_table, 2)
+    check_dtype("block_table", block_table, INTS)
+    if shape_of("lengths", lengths, 1) != (bsz,):
+        raise ValueError(f"lengths must be [B={bsz}] (one per block-table row), got {list(lengths.shape)}")
+    check_dtype("lengths", lengths, INTS)
+    if values:
+        table_values(block_table, lengths, np_, p)
+    return bsz
+
+
+def table_values(block_table, lengths, np_: int, p: int) -> None:
+    """The by-value part of :func:`check_tables` (where :func:`values_checked`)."""
+    width = block_table.shape[1]
+    if lengths.numel() and values_checked(lengths):
+        ln = lengths.long()
+        if bool(((ln < 0) | (ln > width * p)).any()):
+            raise ValueError(f"lengths must be in [0, block_table width {width} x page_size {p} = {width * p}], "
+                             f"got {lengths.tolist()}")
+        used = torch.arange(width, device=ln.device)[None, :] < (ln[:, None] + p - 1) // p
+        bt = block_table.to(ln.device)
+        if bool((used & ((bt < 0) | (bt >= np_))).any()):
+            raise ValueError(f"block_table entries holding a sequence's tokens must be page ids in [0, {np_}) "
+                             f"(-1 only past ceil(lengths / page_size)); got {block_table.tolist()}")
+
+
+def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bool = True) -> None:
+    """res_k, res_v ``[B, H, C, D]`` floats; res_lengths ``[B]`` integers in ``[0, C]`` (by value, as in
+    :func:`check_tables`)."""
+    c = shape_of("res_k", res_k, 4)[2]
+    for name, t in (("res_k", res_k), ("res_v", res_v)):
+        if tuple(t.shape) != (bsz, h, c, d):
+            raise ValueError(f"{name} must be [B={bsz}, H={h}, C, D={d}] (the pool's heads and head_dim), got "
+                             f"{list(t.shape)} (res_k {list(res_k.shape)})")
+        check_dtype(name, t, FLOATS)
+    if shape_of("res_lengths", res_lengths, 1) != (bsz,):
+        raise ValueError(f"res_lengths must be [B={bsz}], got {list(res_lengths.shape)}")
+    check_dtype("res_lengths", res_lengths, INTS)
+    if values:
+        window_values(res_lengths, c)
+
+
+def window_values(res_lengths, capacity: int) -> None:
+    """The by-value part of :func:`check_window`."""
+    if res_lengths.numel() and values_checked(res_lengths):
+        if bool(((res_lengths < 0) | (res_lengths > capacity)).any()):
+            raise ValueError(f"res_lengths must be in [0, window capacity {capacity}], got {res_lengths.tolist()}")
+
+
+def check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits: int, value_bits: int,
+                    group_size: int, values: bool = True) -> None:
+    """The decode (q ``[B, Hq, D]``) and prefix (q ``[B, Hq, L, D]``) ops' shared arguments; ``values=False``: shapes,
+    dtypes and devices only (:func:`attention_values` then checks the values)."""
+    np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
+    bsz = check_tables(block_table, lengths, np_, p, values)
+    if q.dim() not in (3, 4) or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % max(h, 1):
+        raise ValueError(f"q must be [B={bsz}, Hq (a multiple of KV heads {h}), (L,) D={d}], got {list(q.shape)}")
+    check_dtype("q", q, FLOATS)
+    check_window(bsz, h, d, res_k, res_v, res_lengths, values)
+    check_device(pool[0].device, q=q, block_table=block_table, lengths=lengths, res_k=res_k, res_v=res_v,
+                 res_lengths=res_lengths)
+
+
+def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
+    """The by-value part of :func:`check_attention` (where :func:`values_checked`)."""
+    table_values(block_table, lengths, k_codes.shape[0], k_codes.shape[2])
+    window_values(res_lengths, res_k.shape[2])
+
+
+def check_prefix_chunk(q, new_k, new_v, new_mask) -> None:
+    """paged_prefix_attention's chunk: new_k, new_v ``[B, Hkv, L, D]`` floats, new_mask ``[B, L, L]`` bool."""
+    bsz, hq, ql, d = shape_of("q", q, 4)
+    h = new_k.shape[1] if new_k.dim() == 4 else 0
+    for name, t in (("new_k", new_k), ("new_v", new_v)):
+        if shape_of(name, t, 4) != (bsz, h, ql, d) or (h and hq % h):
+            raise ValueError(f"{name} must be [B={bsz}, Hkv, L={ql}, D={d}] like q and new_k, got {list(t.shape)}")
+        check_dtype(name, t, FLOATS)
+    if shape_of("new_mask", new_mask, 3) != (bsz, ql, ql) or new_mask.dtype != torch.bool:
+        raise ValueError(f"new_mask must be a bool [B={bsz}, L={ql}, L={ql}] tensor, got {list(new_mask.shape)} "
+                         f"{new_mask.dtype}")
+
+
+def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool, key_bits: int,
+                value_bits: int, group_size: int) -> None:
+    """append_and_flush's arguments (shapes, dtypes, devices; values as in :func:`check_tables`): the window is
+    written at ``res_lengths``, so those must be below its capacity."""
+    np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
+    bsz = check_tables(block_table, lengths, np_, p)
+    check_window(bsz, h, d, res_k, res_v, res_lengths)
+    for name, t in (("new_k", new_k), ("new_v", new_v)):
+        if tuple(t.shape) not in ((bsz, h, d), (bsz, h, 1, d)):
+            raise ValueError(f"{name} must be [B={bsz}, H={h}, D={d}] (or [B, H, 1, D]), got {list(t.shape)}")
+        check_dtype(name, t, FLOATS)
+    if shape_of("sink_lengths", sink_lengths, 1) != (bsz,):
+        raise ValueError(f"sink_lengths must be [B={bsz}], got {list(sink_lengths.shape)}")
+    check_dtype("sink_lengths", sink_lengths, INTS)
+    check_device(pool[0].device, new_k=new_k, new_v=new_v, res_k=res_k, res_v=res_v, res_lengths=res_lengths,
+                 sink_lengths=sink_lengths, lengths=lengths, block_table=block_table)
+    if bsz and values_checked(res_lengths) and bool((res_lengths >= res_k.shape[2]).any()):
+        raise ValueError(f"res_lengths must be below the window capacity {res_k.shape[2]} (the step's token is "
+                         f"written there), got {res_lengths.tolist()}")

@@ -1,0 +1,118 @@
+"""Bad arguments to the op API (kivi_cache.kernels and kivi_cache.reference alike): a ValueError naming the parameter,
+raised before anything is written (kivi_cache.checks); before, the kernels wrote out of bounds (heap corruption for a
+pool with fewer heads than k), read past the block table or the window, or gave a silent wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kivi_cache import kernels as K
+from kivi_cache import reference as R
+
+D, G, P = 64, 32, 64
+DT = torch.float16
+I32 = torch.int32
+
+
+def pool(np_=3, h=1, kb=4, vb=4):
+    return [torch.randint(0, 256, (np_, h, P, D * kb // 8), dtype=torch.uint8),
+            torch.rand(np_, h, P // G, D).to(DT), torch.randn(np_, h, P // G, D).to(DT),
+            torch.randint(0, 256, (np_, h, D, P * vb // 8), dtype=torch.uint8),
+            torch.rand(np_, h, D // G, P).to(DT), torch.randn(np_, h, D // G, P).to(DT)]
+
+
+def unchanged(before, after):
+    return all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def ints(*xs):
+    return torch.tensor(xs, dtype=I32)
+
+
+WRITE_CASES = {  # name: (k heads, pages, slots, pool bits, k dtype) -> the parameter named
+    "heads": ((2, ints(0), ints(0), 4, DT), "k must be"),
+    "page_past_pool": ((1, ints(3), ints(0), 4, DT), "pages must be page ids in \\[0, 3\\)"),
+    "page_minus_1": ((1, ints(-1), ints(0), 4, DT), "pages must be page ids"),
+    "slot_misaligned": ((1, ints(0), ints(16), 4, DT), "slots must be multiples of group_size=32"),
+    "slot_past_page": ((1, ints(0), ints(64), 4, DT), "slots must be"),
+    "pages_per_group": ((1, ints(0, 1), ints(0, 0), 4, DT), "pages must be \\[N=1\\]"),
+    "pool_bits": ((1, ints(0), ints(0), 2, DT), "k_codes must be"),
+    "k_dtype": ((1, ints(0), ints(0), 4, torch.int32), "k must have dtype"),
+    "pages_dtype": ((1, ints(0).float(), ints(0), 4, DT), "pages must have dtype"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(WRITE_CASES))
+def test_quantize_and_write_rejects_bad_arguments_before_writing(mod, case):
+    (h, pages, slots, bits, dtype), match = WRITE_CASES[case]
+    pl = pool(kb=bits, vb=bits)
+    before = [t.clone() for t in pl]
+    kv = torch.randn(pages.shape[0] if case != "pages_per_group" else 1, h, G, D).to(dtype)
+    with pytest.raises(ValueError, match=match):
+        mod.quantize_and_write(kv, kv, pages, slots, *pl, 4, 4, G)
+    assert unchanged(before, pl)
+
+
+def decode_args(**over):
+    a = dict(q=torch.randn(2, 2, D).to(DT), block_table=ints(0, 1, 2, -1).view(2, 2), lengths=ints(96, 32),
+             pool=pool(4), res_k=torch.randn(2, 1, 8, D).to(DT), res_v=torch.randn(2, 1, 8, D).to(DT),
+             res_lengths=ints(3, 5))
+    a.update(over)
+    return a
+
+
+DECODE_CASES = {
+    "length_past_table": (dict(block_table=ints(0, 2).view(2, 1)), "lengths must be in \\[0, block_table width 1"),
+    "minus_1_inside_length": (dict(block_table=ints(0, -1, 2, -1).view(2, 2)), "block_table entries"),
+    "negative_length": (dict(lengths=ints(96, -5)), "lengths must be in"),
+    "window_length_past_capacity": (dict(res_lengths=ints(3, 12)), "res_lengths must be in \\[0, window capacity 8"),
+    "window_heads": (dict(res_k=torch.randn(2, 2, 8, D).to(DT), res_v=torch.randn(2, 2, 8, D).to(DT)), "res_k must"),
+    "lengths_per_row": (dict(lengths=ints(96)), "lengths must be \\[B=2\\]"),
+    "window_lengths_per_row": (dict(res_lengths=ints(3)), "res_lengths must be \\[B=2\\]"),
+    "pool_bits": (dict(pool=pool(4, kb=2, vb=2)), "k_codes must be"),
+    "q_device": (dict(q=torch.randn(2, 2, D, device="meta").to(DT)), "q is on meta"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_rejects_bad_arguments_before_writing(mod, case):
+    over, match = DECODE_CASES[case]
+    a = decode_args(**over)
+    new = torch.randn(2, a["res_k"].shape[1], D).to(DT)
+    before = [a["res_k"].clone(), a["res_v"].clone()]
+    with pytest.raises(ValueError, match=match):
+        mod.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"],
+                                   a["res_lengths"], 4, 4, G, 0.125, new_k=new, new_v=new)
+    assert unchanged(before, [a["res_k"], a["res_v"]]), "the window was written before the error"
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+def test_prefix_and_dequantize_reject_bad_arguments(mod):
+    a = decode_args()
+    q = torch.randn(2, 2, 3, D).to(DT)
+    new = torch.randn(2, 1, 3, D).to(DT)
+    mask = torch.ones(2, 3, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="new_mask must be a bool \\[B=2, L=3, L=3\\]"):
+        mod.paged_prefix_attention(q, a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"],
+                                   a["res_lengths"], new, new, mask, 4, 4, G, 0.125)
+    with pytest.raises(ValueError, match="lengths must be in"):
+        mod.dequantize_pages(a["block_table"], ints(-32, 0), *a["pool"], 4, 4, G)
+
+
+def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
+    """set_backend('triton') with CPU tensors and no interpreter: a clear error, not Triton's '0 active drivers'."""
+    from kivi_cache import ops
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a = decode_args()
+    ops.set_backend("triton")
+    try:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"],
+                                       res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+                                       group_size=G, sm_scale=0.125)
+    finally:
+        ops.set_backend("auto")
