@@ -69,7 +69,7 @@ def check_pool(pool, key_bits: int, value_bits: int, group_size: int) -> tuple:
 
 def values_checked(t: torch.Tensor) -> bool:
     """Whether the values of index tensor ``t`` are checked (no device sync, or asked for)."""
-    return not t.is_cuda or CHECK_INDICES
+    return (not t.is_cuda and not t.is_meta) or CHECK_INDICES
 
 
 def check_write(k, v, pages, slots, pool, key_bits: int, value_bits: int, group_size: int) -> None:
