@@ -9,6 +9,7 @@ Usage (one H200, default run: every model x cache x case, JSON + table + 2 PNGs)
         --maxbatch-at kivi-int2:4096:417                                # throughput at batch 417, no search
     python eval/bench_generate.py --profile --profile-only --models llama3-8b   # kernel table only
     python eval/bench_generate.py --quick           # tiny random model, CPU-capable, < 1 minute
+                                                    # (default output eval/results/bench_generate_quick.json)
 
 Models are built from their configs with random fp16 weights directly on the GPU
 (no download): ``llama2-7b`` (32 layers, 32 KV heads, vocab 32000) and ``llama3-8b``
@@ -1364,8 +1365,9 @@ def parse_maxbatch_at(spec: str, args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "bench_generate.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON path; the PNGs go beside it (default eval/results/bench_generate.json, with --quick "
+                         "eval/results/bench_generate_quick.json: a smoke run never overwrites the recorded results)")
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, few tokens (CPU-capable smoke run)")
     ap.add_argument("--models", default=None, help=f"comma list of {list(MODELS)} (default llama2-7b,llama3-8b)")
     ap.add_argument("--caches", default=None,
@@ -1418,6 +1420,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     args = ap.parse_args(argv)
     q = args.quick
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "bench_generate_quick.json" if q else "bench_generate.json")
     d = dict(models="tiny" if q else "llama2-7b,llama3-8b",
              caches="fp16,kivi-int4,quanto-int4" if q else ",".join(CACHES), cases=",".join(CASES),
              prompt=48 if q else 1024, new=16 if q else 256, long_prompt=200 if q else 32768,

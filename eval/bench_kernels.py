@@ -2,7 +2,7 @@
 
 Usage (GPU, < 8 minutes on an H200):
     python eval/bench_kernels.py [--out eval/results/bench_kernels.json]
-Tiny CPU smoke run under the Triton interpreter:
+Tiny CPU smoke run under the Triton interpreter (writes eval/results/bench_kernels_quick.json/.png):
     python eval/bench_kernels.py --quick
 
 For every (batch, KV heads, context) it builds an fp16 KV cache and int4 / int2
@@ -260,10 +260,14 @@ def bench_config(row, b, hkv, ctx, hq, d, res, g, p, sm, t_quant, res_len, fp16_
     return row
 
 
-def main():
+def parse_args(argv=None):
+    """The command line; ``--out`` defaults to eval/results/bench_kernels.json, with ``--quick`` to
+    eval/results/bench_kernels_quick.json (the PNG goes beside it). The interpreter switch for ``--quick``
+    reads ``sys.argv`` at import (``QUICK``), not ``argv``."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "bench_kernels.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON path, the PNG beside it (default eval/results/bench_kernels.json; with --quick "
+                         "bench_kernels_quick.json)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU interpreter smoke run")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--group-size", type=int, default=32)
@@ -279,7 +283,15 @@ def main():
     ap.add_argument("--graph-below", type=float, default=0.3,
                     help="eager runs: also time as CUDA graphs every kernel whose eager time is below this many ms "
                          "(GPU time of the launch-bound small shapes, same run; 0 = off)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "bench_kernels_quick.json" if args.quick else "bench_kernels.json")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:

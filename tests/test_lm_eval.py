@@ -153,3 +153,131 @@ def test_cli_help():
     assert "--model_args" in out.stdout
 
 
+
+
+# ------------------------------------------------------------------ model_args checks (fast: nothing is loaded)
+@pytest.fixture
+def no_loading(monkeypatch):
+    """HFLM.__init__, load_smollm2 and KiviLM.new_cache fail if reached: a ValueError raised with these in
+    place was raised before any model or cache work."""
+    from lm_eval.models.huggingface import HFLM
+
+    import kivi_cache.models
+    from kivi_cache.lm_eval import KiviLM
+
+    def boom(*a, **k):
+        raise AssertionError("model or cache work started before the model_args were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", boom)
+    monkeypatch.setattr(kivi_cache.models, "load_smollm2", boom)
+    monkeypatch.setattr(KiviLM, "new_cache", boom)
+
+
+@pytest.fixture
+def hflm_calls(monkeypatch):
+    """HFLM.__init__ replaced by a recorder of its kwargs (KiviLM's own work still runs)."""
+    from lm_eval.models.huggingface import HFLM
+
+    calls = []
+    monkeypatch.setattr(HFLM, "__init__", lambda self, **kw: calls.append(kw))
+    return calls
+
+
+@pytest.mark.parametrize("name,value", [("group_size", 2.5), ("key_bits", True), ("value_bits", False),
+                                        ("residual_length", "32x"), ("page_size", "3.0"), ("sink_length", [4]),
+                                        ("prefill_tokens", 8.5), ("stream_tokens", "abc"), ("chunk", True),
+                                        ("chunk", None)])
+def test_integer_args_refused_before_loading(no_loading, name, value):
+    from kivi_cache.lm_eval import KiviLM
+
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer, got {re.escape(repr(value))}"):
+        KiviLM(pretrained=tiny_llama(layers=1), **{name: value})
+
+
+@pytest.mark.parametrize("arg,message", [("group_size=2.5", "group_size must be an integer, got 2.5"),
+                                         ("key_bits=True", "key_bits must be an integer, got True (a bool)"),
+                                         ("chunk=four", "chunk must be an integer, got 'four'")])
+def test_integer_args_from_the_arg_string_refused(no_loading, tiny_dir, arg, message):
+    """As lm-eval parses --model_args: "True" becomes a bool, "2.5" a float, other text a str."""
+    from kivi_cache.lm_eval import KiviLM
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        KiviLM.create_from_arg_string(f"pretrained={tiny_dir},{arg}", {"device": "cpu"})
+
+
+def test_integer_like_args_accepted(hflm_calls, tiny_dir):
+    from kivi_cache.lm_eval import KiviLM
+
+    lm = KiviLM(pretrained=tiny_llama(layers=1), key_bits=" 2", value_bits=4.0, group_size="16",
+                residual_length=16, page_size=32, prefill_tokens="8", stream_tokens=4.0, chunk="2")
+    assert lm.cache_overrides == dict(key_bits=2, value_bits=4, group_size=16, residual_length=16, page_size=32)
+    assert all(type(v) is int for v in lm.cache_overrides.values())
+    assert (lm.prefill_tokens, lm.stream_tokens, lm.chunk) == (8, 4, 2)
+    assert lm.new_cache().quant_config.group_size == 16
+    # from the arg string: digits arrive as int, a quoted "16" as str
+    lm = KiviLM.create_from_arg_string(f'pretrained={tiny_dir},group_size="16",residual_length=16,page_size=32',
+                                       {"device": "cpu", "batch_size": 1})
+    assert lm.cache_overrides == dict(group_size=16, residual_length=16, page_size=32)
+    assert hflm_calls[-1] == dict(pretrained=str(tiny_dir), device="cpu", batch_size=1)
+
+
+def test_cache_settings_checked_before_loading(monkeypatch):
+    from lm_eval.models.huggingface import HFLM
+
+    from kivi_cache.lm_eval import KiviLM
+
+    monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: pytest.fail("HFLM.__init__ reached"))
+    with pytest.raises(ValueError, match="key_bits"):
+        KiviLM(pretrained=tiny_llama(layers=1), key_bits=3)
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        KiviLM(pretrained=tiny_llama(layers=1), chunk=0)
+
+
+@pytest.mark.parametrize("preset", [2, ["int4"], True, "int3", "INT4"])
+def test_preset_refused(no_loading, preset):
+    from kivi_cache.lm_eval import KiviLM
+
+    with pytest.raises(ValueError, match=r"preset must be one of \['fp', 'int2', 'int4', 'int8'\] \(a string\)"):
+        KiviLM(pretrained=tiny_llama(layers=1), preset=preset)
+
+
+def test_unknown_args_refused_with_a_loaded_model(no_loading):
+    """HFLM drops unknown kwargs when given a loaded model: a misspelled kivi argument would be ignored."""
+    from kivi_cache.lm_eval import KIVI_ARGS, KiviLM
+
+    with pytest.raises(ValueError, match=r"unknown model_args \['residual_lenght'\]") as err:
+        KiviLM(pretrained=tiny_llama(layers=1), residual_lenght=32, device="cpu", batch_size=1)
+    assert "did you mean residual_length?" in str(err.value)
+    assert all(a in str(err.value) for a in KIVI_ARGS)  # lists the kivi arguments
+    with pytest.raises(ValueError, match=r"unknown model_args \['attn_implementation', 'foo'\]"):
+        KiviLM.create_from_arg_obj({"pretrained": tiny_llama(layers=1), "foo": 1, "attn_implementation": "eager"})
+    with pytest.raises(ValueError, match=r"unknown model_args \['foo'\] \(with pretrained=smollm2"):
+        KiviLM.create_from_arg_string("pretrained=smollm2,preset=int2,foo=1", {"device": "cpu"})
+
+
+def test_unknown_args_with_a_path(tiny_dir, no_loading):
+    """With a path HFLM passes unknown kwargs to from_pretrained: they pass, near-misses of kivi names do not."""
+    from kivi_cache.lm_eval import KiviLM
+
+    with pytest.raises(ValueError, match=r"unknown model_args \['key_bit'\]; key_bit: did you mean key_bits\?"):
+        KiviLM.create_from_arg_string(f"pretrained={tiny_dir},key_bit=2,attn_implementation=eager")
+
+
+def test_from_pretrained_kwargs_pass_with_a_path(tiny_dir, hflm_calls):
+    from kivi_cache.lm_eval import KiviLM
+
+    KiviLM.create_from_arg_string(f"pretrained={tiny_dir},attn_implementation=eager,preset=int2,revision=main")
+    assert hflm_calls == [dict(pretrained=str(tiny_dir), attn_implementation="eager", revision="main")]
+
+
+def test_loaded_model_with_hflm_args(tiny_dir):
+    """A real HFLM over a loaded tiny model: HFLM arguments pass; load-only ones give a warning."""
+    from transformers import AutoTokenizer
+
+    from kivi_cache.lm_eval import KiviLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    with pytest.warns(UserWarning, match=r"\['dtype'\] only act when HFLM loads the model"):
+        lm = KiviLM(pretrained=tiny_llama(layers=1), tokenizer=tok, device="cpu", batch_size=1, max_length=48,
+                    dtype="bfloat16", group_size="16", residual_length=16, page_size=32)
+    assert lm.max_length == 48 and lm.new_cache().quant_config.group_size == 16

@@ -1,0 +1,120 @@
+"""``--quick`` smoke runs of the eval scripts write ``eval/results/*_quick.*`` by default (git-ignored), never
+over the recorded results; an explicit ``--out`` (``--plot``) is kept. Only the argument parsing runs here."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = ROOT / "eval"
+RESULTS = EVAL / "results"
+
+
+def _load(name, argv=None, monkeypatch=None):
+    if monkeypatch is not None:
+        monkeypatch.setattr(sys, "argv", [str(EVAL / f"{name}.py"), *(argv or [])])
+    spec = importlib.util.spec_from_file_location(f"{name}_quick_mod", EVAL / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench_kernels():
+    return _load("bench_kernels")
+
+
+@pytest.fixture(scope="module")
+def bench_generate():
+    return _load("bench_generate")
+
+
+@pytest.fixture(scope="module")
+def perplexity():
+    return _load("perplexity")
+
+
+@pytest.fixture(scope="module")
+def needle():
+    return _load("needle")
+
+
+def _ignored(path) -> bool:
+    out = subprocess.run(["git", "check-ignore", "-q", "--no-index", str(path)], cwd=ROOT, capture_output=True)
+    return out.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def git_checkout():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+
+def test_bench_kernels(bench_kernels, tmp_path):
+    args = bench_kernels.parse_args(["--quick"])
+    assert Path(args.out) == RESULTS / "bench_kernels_quick.json"
+    assert os.path.splitext(args.out)[0] + ".png" == str(RESULTS / "bench_kernels_quick.png")  # main's PNG rule
+    assert Path(bench_kernels.parse_args([]).out) == RESULTS / "bench_kernels.json"
+    out = str(tmp_path / "k.json")
+    assert bench_kernels.parse_args(["--quick", "--out", out]).out == out
+
+
+def test_bench_kernels_quick_flag_still_read_at_import(monkeypatch):
+    """The interpreter switch reads sys.argv when the module is imported (before triton.jit runs)."""
+    assert _load("bench_kernels", ["--quick"], monkeypatch).QUICK is True
+    assert _load("bench_kernels", [], monkeypatch).QUICK is False
+
+
+def test_bench_generate(bench_generate, tmp_path):
+    args = bench_generate.parse_args(["--quick"])
+    assert Path(args.out) == RESULTS / "bench_generate_quick.json"
+    assert Path(bench_generate.parse_args([]).out) == RESULTS / "bench_generate.json"
+    out = str(tmp_path / "g.json")
+    assert bench_generate.parse_args(["--quick", "--out", out]).out == out
+
+
+def test_perplexity(perplexity, tmp_path):
+    args = perplexity.parse_args(["--quick"])
+    assert (Path(args.out), Path(args.plot)) == (RESULTS / "perplexity_smollm2_quick.json",
+                                                 RESULTS / "perplexity_vs_bytes_quick.png")
+    args = perplexity.parse_args([])
+    assert (Path(args.out), Path(args.plot)) == (RESULTS / "perplexity_smollm2.json",
+                                                 RESULTS / "perplexity_vs_bytes.png")
+    out, plot = str(tmp_path / "p.json"), str(tmp_path / "p.png")
+    args = perplexity.parse_args(["--quick", "--out", out, "--plot", plot])
+    assert (args.out, args.plot) == (out, plot)
+    args = perplexity.parse_args(["--quick", "--out", out])  # the plot not given: still not the recorded one
+    assert (args.out, Path(args.plot)) == (out, RESULTS / "perplexity_vs_bytes_quick.png")
+
+
+def test_needle(needle, tmp_path):
+    paths = needle.output_paths(needle.parse_args(["--quick"]))
+    assert paths == (RESULTS / "needle_smollm2_quick.json", RESULTS / "needle_heatmap_quick.png")
+    paths = needle.output_paths(needle.parse_args(["--quick", "--prefill-chunk", "256"]))
+    assert paths == (RESULTS / "needle_smollm2_chunk256_quick.json", RESULTS / "needle_heatmap_chunk256_quick.png")
+    assert needle.output_paths(needle.parse_args([])) == (RESULTS / "needle_smollm2.json",
+                                                          RESULTS / "needle_heatmap.png")
+    out = tmp_path / "n.json"
+    assert needle.output_paths(needle.parse_args(["--quick", "--out", str(out)])) == (out, tmp_path / "n.png")
+    plot = tmp_path / "h.png"
+    assert needle.output_paths(needle.parse_args(["--quick", "--out", str(out), "--plot", str(plot)])) == (out, plot)
+    args = needle.parse_args(["--quick"])
+    assert (args.lengths, args.depths) == ("512", "0,100")
+
+
+def test_quick_outputs_are_git_ignored(git_checkout, bench_kernels, bench_generate, perplexity, needle):
+    ka = bench_kernels.parse_args(["--quick"])
+    ga = bench_generate.parse_args(["--quick"])
+    pa = perplexity.parse_args(["--quick"])
+    stem = os.path.splitext(ga.out)[0]
+    quick = [ka.out, os.path.splitext(ka.out)[0] + ".png", ga.out, ga.out + ".tmp", stem + "_throughput.png",
+             stem + "_memory.png", pa.out, pa.plot, *needle.output_paths(needle.parse_args(["--quick"]))]
+    assert [p for p in quick if not _ignored(p)] == []
+    recorded = [bench_kernels.parse_args([]).out, bench_generate.parse_args([]).out, perplexity.parse_args([]).out,
+                *needle.output_paths(needle.parse_args([]))]
+    assert [p for p in recorded if _ignored(p)] == []
