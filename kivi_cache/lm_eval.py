@@ -30,6 +30,8 @@ They are checked before anything is loaded, with a ``ValueError`` naming the arg
   ``residual_lenght=32`` would run with the default). With ``pretrained`` a path or hub id ``HFLM`` hands such
   arguments to ``from_pretrained`` (``attn_implementation=eager``, ``device_map=...``), so they pass, except a
   near-miss of a kivi argument's name, which is refused with the name it resembles.
+  With a path, ``use_kernels`` defaults to False (transformers 5.25 turned the Hub's ``kernels`` layers on by
+  default; they fetch code at load time): pass ``use_kernels=True`` to have them.
   ``HFLM`` arguments that only act while loading from a path (``dtype``, ``peft``, ``delta``, ...) give a
   warning with a loaded model: they are ignored there.
 
@@ -170,6 +172,10 @@ class KiviLM(HFLM):
             model, tok = load_smollm2()
             pretrained = model
             kwargs.setdefault("tokenizer", tok)
+        elif isinstance(pretrained, str):
+            # transformers >= 5.25 loads the Hub's `kernels` layers by default (code fetched at load time);
+            # off unless asked for (model_args use_kernels=True), as in transformers 5.17-5.24
+            kwargs.setdefault("use_kernels", False)
         super().__init__(pretrained=pretrained, **kwargs)
 
     # ------------------------------------------------------------------ caches

