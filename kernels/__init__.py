@@ -11,6 +11,23 @@ whether Triton can run here.
 from __future__ import annotations
 
 import os
+import sys
+
+if __name__ == "kernels":  # pragma: no cover - exercised in subprocesses by tests/test_layout.py
+    # This folder was found as a top-level ``kernels`` module: the repository root is on sys.path (``python -m``,
+    # pytest or a notebook started there). That name belongs to Hugging Face's ``kernels`` package, which
+    # transformers imports when it is installed. If that package is installed, load it in this module's place;
+    # if not, stay an empty module (transformers' probe imports it and finds no version: "not available").
+    import importlib.machinery
+    import importlib.util
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds after this runs
+        _spec.loader.exec_module(_module)
 
 
 def available() -> bool:
@@ -25,9 +42,10 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-from .attention import DecodeRunner, paged_decode_attention, paged_prefix_attention  # noqa: E402
-from .dequant import dequantize_pages  # noqa: E402
-from .quantize import append_and_flush, quantize_and_write  # noqa: E402
+if __name__ != "kernels":  # see the top
+    from .attention import DecodeRunner, paged_decode_attention, paged_prefix_attention
+    from .dequant import dequantize_pages
+    from .quantize import append_and_flush, quantize_and_write
 
 __all__ = [
     "DecodeRunner",

@@ -1,0 +1,59 @@
+"""The repository's ``kernels/`` folder never poses as Hugging Face's ``kernels`` package.
+
+From the repository root (``python -m pytest``, ``python -m kivi_cache.lm_eval``, a notebook started there) the
+root is on sys.path, so ``import kernels`` finds this folder. transformers imports ``kernels`` (the Hub's layer
+kernels; a hard dependency from transformers 5.25) when it is installed: it must get that package, and without it
+an empty module that its probe reads as "not available". Run in subprocesses started in the repository root.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str, extra_path: str | None = None) -> str:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if extra_path:
+        env["PYTHONPATH"] = extra_path
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_top_level_kernels_without_the_hub_package():
+    out = _run("""
+        import sys
+        assert sys.path[0] == "", sys.path[:2]          # the repository root is on the path, as with python -m
+        import kivi_cache
+        from transformers import LlamaForCausalLM       # noqa: F401  (transformers probes `kernels` here)
+        import kernels
+        import kivi_cache.kernels as ours
+        assert not hasattr(kernels, "paged_decode_attention"), "the repo's kernels/ posed as a top-level package"
+        assert hasattr(ours, "paged_decode_attention")
+        from transformers.utils.import_utils import is_kernels_available
+        print("available", is_kernels_available())
+    """)
+    assert "available False" in out
+
+
+def test_top_level_kernels_hands_over_to_the_hub_package(tmp_path):
+    pkg = tmp_path / "kernels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("MARKER = 'hub kernels'\n")
+    out = _run(f"""
+        import kernels
+        assert kernels.MARKER == "hub kernels"
+        assert kernels.__file__ == {str(pkg / "__init__.py")!r}, kernels.__file__
+        import kivi_cache.kernels as ours
+        assert hasattr(ours, "paged_decode_attention") and ours is not kernels
+        import kernels as again
+        assert again is kernels
+        print("ok")
+    """, extra_path=str(tmp_path))
+    assert "ok" in out
