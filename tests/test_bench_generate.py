@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "eval" / "bench_generate.py"
@@ -111,9 +112,7 @@ def test_best_fit_rate_takes_the_fastest_fitting_trial():
 
 
 def test_find_max_batch():
-    spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load()
     for true_max in (1, 2, 7, 37, 100, 513):
         for start, tol in ((1, 0.0), (true_max, 0.0), (max(1, true_max * 9 // 10), 0.04), (true_max * 2, 0.04)):
             tried = []
@@ -138,10 +137,7 @@ def test_find_max_batch():
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_generate_mod", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_generate")
 
 
 def test_max_batch_search_against_a_memory_model(monkeypatch, tmp_path):

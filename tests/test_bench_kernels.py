@@ -1,20 +1,14 @@
 """eval/bench_kernels.py on the CPU interpreter: one small shape, rows with times, bytes, errors; the
 CUDA-graph columns are filled for the kernels under the threshold (here timed with the CPU timer)."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "eval" / "bench_kernels.py"
+from eval_scripts import EVAL, load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_kernels_mod", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_kernels")
 
 
 def test_bench_config_row_with_graph_columns_below_threshold():
@@ -47,12 +41,9 @@ def test_bench_config_row_with_graph_columns_below_threshold():
 
 def test_graph_gap_probe_quick_run(monkeypatch, tmp_path):
     """eval/graph_gap.py on the CPU interpreter: both kernels timed by the eager burst, JSON written."""
-    script = SCRIPT.parent / "graph_gap.py"
     out = tmp_path / "gap.json"
-    monkeypatch.setattr("sys.argv", [str(script), "--quick", "--calls", "1", "--out", str(out)])
-    spec = importlib.util.spec_from_file_location("graph_gap_mod", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    monkeypatch.setattr("sys.argv", [str(EVAL / "graph_gap.py"), "--quick", "--calls", "1", "--out", str(out)])
+    mod = load_script("graph_gap")
     res = mod.main()
     assert set(res["rows"]) == {"fp16_sdpa", "kivi"}
     assert all(r["eager_burst"]["ms"] > 0 for r in res["rows"].values())

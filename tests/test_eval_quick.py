@@ -1,7 +1,6 @@
 """``--quick`` smoke runs of the eval scripts write ``eval/results/*_quick.*`` by default (git-ignored), never
 over the recorded results; an explicit ``--out`` (``--plot``) is kept. Only the argument parsing runs here."""
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -9,39 +8,36 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval_scripts import EVAL, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-EVAL = ROOT / "eval"
+ROOT = EVAL.parent
 RESULTS = EVAL / "results"
 
 
-def _load(name, argv=None, monkeypatch=None):
-    if monkeypatch is not None:
-        monkeypatch.setattr(sys, "argv", [str(EVAL / f"{name}.py"), *(argv or [])])
-    spec = importlib.util.spec_from_file_location(f"{name}_quick_mod", EVAL / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _load(name, argv, monkeypatch):
+    """The script imported with ``sys.argv`` set (bench_kernels reads ``--quick`` at import)."""
+    monkeypatch.setattr(sys, "argv", [str(EVAL / f"{name}.py"), *argv])
+    return load_script(name)
 
 
 @pytest.fixture(scope="module")
 def bench_kernels():
-    return _load("bench_kernels")
+    return load_script("bench_kernels")
 
 
 @pytest.fixture(scope="module")
 def bench_generate():
-    return _load("bench_generate")
+    return load_script("bench_generate")
 
 
 @pytest.fixture(scope="module")
 def perplexity():
-    return _load("perplexity")
+    return load_script("perplexity")
 
 
 @pytest.fixture(scope="module")
 def needle():
-    return _load("needle")
+    return load_script("needle")
 
 
 def _ignored(path) -> bool:
