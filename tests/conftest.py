@@ -33,3 +33,14 @@ def _torch_threads():
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 (``load_smollm2(torch.float32)``), loaded once per
+    session for every test that runs it (a load takes 15-20 s here: the GGUF parse and dequantization). Tests must
+    leave it as they found it: a StaticQuantizedPagedCache binds itself to the attention modules (unbind with
+    ``models.unbind_static``)."""
+    from kivi_cache.models import load_smollm2
+
+    return load_smollm2(torch.float32)
+
