@@ -99,10 +99,12 @@ def spill_count(ops: collections.Counter) -> int:
     return sum(v for k, v in ops.items() if k.startswith(("STL", "LDL")))
 
 
-def main():
+def summary(argv):
+    """Build the kernel for the KEY=VALUE strings ``argv`` (env as in the module docstring), print the report and
+    return the summary dict (main prints it as the JSON line; eval/sass_batch.py collects it)."""
     const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
                  VASM=True, BF16=False, VW32=True)
-    const.update({k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
+    const.update({k: int(v) for k, v in (a.split("=") for a in argv)})
     st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
@@ -134,12 +136,16 @@ def main():
     total = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))  # spill instructions anywhere in the kernel
     # resident warps per SM (cuda_occupancy.h, sm_90): registers are allocated per warp in units of 256 from
     warps_sm = attention.warps_by_registers(reg)
-    print(json.dumps(dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
-                          shared=smem, loop_waits=waits, spills_total=total,
-                          loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
-                          hmma=sum(v for k, v in c.items() if k.startswith("HMMA")),
-                          atom_acq_rel_gpu=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", k.asm["ptx"])),
-                          ld_cg=len(re.findall(r"ld\.global\.cg", k.asm["ptx"])))))
+    return dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
+                shared=smem, loop_waits=waits, spills_total=total,
+                loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
+                hmma=sum(v for k, v in c.items() if k.startswith("HMMA")),
+                atom_acq_rel_gpu=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", k.asm["ptx"])),
+                ld_cg=len(re.findall(r"ld\.global\.cg", k.asm["ptx"])))
+
+
+def main():
+    print(json.dumps(summary(sys.argv[1:])))
 
 
 if __name__ == "__main__":

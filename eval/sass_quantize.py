@@ -22,10 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_decode import disassemble  # noqa: E402
 
 
-def main():
+def summary(argv):
+    """Build the kernel for the KEY=VALUE strings ``argv``; the summary dict (main prints it as the JSON line)."""
     const = dict(G=32, D=128, KBITS=4, VBITS=4, SPLIT=1, RECIP=True)
     types = dict(DT="fp16", SDT="fp16")
-    for a in sys.argv[1:]:
+    for a in argv:
         k, v = a.split("=")
         if k in types:
             types[k] = v
@@ -49,8 +50,12 @@ def main():
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     res, sass = disassemble(k)
     ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
-    print(json.dumps({"registers": int(re.search(r"REG:(\d+)", res).group(1)),
-                      "spills": sum(1 for x in ins if re.search(r"\b(STL|LDL)", x)), "instructions": len(ins)}))
+    return {"registers": int(re.search(r"REG:(\d+)", res).group(1)),
+            "spills": sum(1 for x in ins if re.search(r"\b(STL|LDL)", x)), "instructions": len(ins)}
+
+
+def main():
+    print(json.dumps(summary(sys.argv[1:])))
 
 
 if __name__ == "__main__":

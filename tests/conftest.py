@@ -9,7 +9,38 @@ if os.environ.get("KIVI_TEST_GPU") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# One torch thread on the CPU (KIVI_TEST_THREADS to change it), the project's setting for a shared 2-core box (the
+# eval scripts' and the notebook's default): the tiny models of most tests run faster single-threaded, and a second
+# thread competing with another process for a core made one SmolLM2 generate of 48 tokens take 28 s instead of
+# 3.7 (2-core machine, another job on the other core). Before, the count depended on the order of the files:
+# tests/test_bench_generate.py runs eval/bench_generate.py's main in-process, whose --quick set 1 thread for
+# every later test, while the files before it and a file run alone got 2.
+if os.environ.get("KIVI_TEST_GPU") != "1" or "KIVI_TEST_THREADS" in os.environ:
+    torch.set_num_threads(int(os.environ.get("KIVI_TEST_THREADS", 1)))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A test that changes the torch thread count does not pass the change on (eval scripts' ``main`` call
+    ``torch.set_num_threads``; tests/test_bench_generate.py runs one in-process)."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 (``load_smollm2(torch.float32)``), loaded once per
+    session for every test that runs it (a load takes 15-20 s here: the GGUF parse and dequantization). Tests must
+    leave it as they found it: a StaticQuantizedPagedCache binds itself to the attention modules (unbind with
+    ``models.unbind_static``)."""
+    from kivi_cache.models import load_smollm2
+
+    return load_smollm2(torch.float32)
+

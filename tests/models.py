@@ -52,3 +52,10 @@ def decisive_prompt(model, length, new_tokens=32, margin=0.02, batch=1, tries=40
         if (top2[..., 0] - top2[..., 1]).min() > margin:
             return ids
     raise RuntimeError("no decisive prompt found")
+
+
+def unbind_static(model) -> None:
+    """Remove a StaticQuantizedPagedCache's binding (``_kivi_static``) from the attention modules of a model that
+    later tests share (the session's SmolLM2, tests/conftest.py)."""
+    for module in model.modules():
+        module.__dict__.pop("_kivi_static", None)

@@ -18,13 +18,27 @@ def test_op_api_example(bits, bound, capsys):
     assert "x less" in out and "same output as the op: True" in out
 
 
-def test_generate_example_static_cache_gives_int4_tokens(capsys):
+def test_generate_example_static_cache_gives_int4_tokens(capsys, monkeypatch, request):
     """examples/generate.py --static on SmolLM2 (CPU): the static int4 cache runs in generate and gives exactly the
     tokens of Int4PagedCache (fails if the static path stores or attends differently)."""
     pytest.importorskip("gguf")
     import generate  # examples/generate.py
+    import torch
+    from models import unbind_static
 
-    results = generate.main(["--bits", "4", "--static", "--max-new-tokens", "8", "--context-tokens", "200"])
+    # the session's model (tests/conftest.py) instead of a second load: the example calls load_smollm2(torch.float32),
+    # which is what the fixture returns (load_smollm2 itself runs there)
+    model, tok = request.getfixturevalue("smollm2")
+
+    def shared(dtype=torch.float32):
+        assert dtype == torch.float32, dtype
+        return model, tok
+
+    monkeypatch.setattr(generate, "load_smollm2", shared)
+    try:
+        results = generate.main(["--bits", "4", "--static", "--max-new-tokens", "8", "--context-tokens", "200"])
+    finally:
+        unbind_static(model)  # the static cache bound itself to the shared model's attention modules
     tokens = {label: toks for label, _, _, toks, _, _ in results}
     assert len(tokens) == 3 and all(len(t) == 8 for t in tokens.values())
     assert tokens["int4 (Int4PagedCache)"] == tokens["int4 static (StaticQuantizedPagedCache)"]

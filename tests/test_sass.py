@@ -9,25 +9,87 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = os.path.join(ROOT, "eval", "sass_batch.py")
+
+
+def decode_job(*consts, maxnreg=0, **env_extra):
+    """A build of eval/sass_decode.py: KEY=VALUE consts, maxnreg as env R, other env variables for this build."""
+    return "decode", consts, tuple(sorted({"R": str(maxnreg), **env_extra}.items()))
+
+
+def quantize_job(*consts):
+    """A build of eval/sass_quantize.py."""
+    return "quantize", consts, ()
+
+
+def run_builds(jobs) -> dict:
+    """{job: summary or error text} for ``jobs`` (duplicates built once), in eval/sass_batch.py processes: one Triton
+    import per process instead of one per build (~4 s each), two processes side by side where there are two
+    cores (each build is one single-threaded compile)."""
+    jobs = list(dict.fromkeys(jobs))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    n = max(1, min(2, os.cpu_count() or 1, len(jobs)))
+    parts = [jobs[i::n] for i in range(n)]
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, part in enumerate(parts):
+            out, err = open(os.path.join(tmp, f"{i}.out"), "w+"), open(os.path.join(tmp, f"{i}.err"), "w+")
+            spec = [dict(script=s, args=list(a), env=dict(e)) for s, a, e in part]
+            p = subprocess.Popen([sys.executable, BATCH], stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
+                                 env=env)
+            p.stdin.write(json.dumps(spec))
+            p.stdin.close()
+            procs.append((p, part, out, err))
+        built = {}
+        for p, part, out, err in procs:
+            p.wait(timeout=300 * len(part))  # as before: 300 s per build
+            with out, err:
+                out.seek(0)
+                err.seek(0)
+                lines, stderr = out.read().strip().splitlines(), err.read()
+            if p.returncode != 0 or not lines:
+                built.update({job: stderr for job in part})
+            else:
+                built.update((job, r.get("result", r.get("error"))) for job, r in zip(part, json.loads(lines[-1]),
+                                                                                        strict=True))
+    return built
+
+
+_built: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _build_all(request):
+    """Every build below, once, before the module's first test when more than one of them runs (a single test
+    builds only its own)."""
+    here = sys.modules[__name__]
+    if sum(getattr(item, "module", None) is here for item in request.session.items) > 1:
+        _built.update(run_builds(JOBS))
+    yield
+    _built.clear()
+
+
+def build(job) -> dict:
+    if job not in _built:
+        _built.update(run_builds([job]))
+    r = _built[job]
+    if isinstance(r, str):
+        if "ptxas" in r and "not found" in r:
+            pytest.skip("ptxas not available")
+        raise AssertionError(r[-3000:])
+    return r
 
 
 def sass(*consts, maxnreg=0, **env_extra):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["R"] = str(maxnreg)
-    env.update(env_extra)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "eval", "sass_decode.py"), *consts],
-                         capture_output=True, text=True, env=env, timeout=300)
-    if out.returncode != 0 and "ptxas" in out.stderr and "not found" in out.stderr:
-        pytest.skip("ptxas not available")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return build(decode_job(*consts, maxnreg=maxnreg, **env_extra))
 
 
-@pytest.mark.parametrize("consts,budget", [
+DECODE_BUDGETS = [
     # per code per lane with the 5-stage pipeline and the token-packed value layout (session 8), Triton 3.6 (the
     # GPU image, where the kernel is tuned and timed) / 3.9. Since the t39 unpack (join of the int32 pairs before
     # the halves, phase-1 mask on the pairs) 3.9 keeps the unpacked operands in registers as 3.6 does (kWidth 4)
@@ -36,7 +98,21 @@ def sass(*consts, maxnreg=0, **env_extra):
     ((), 3.05),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16 (2.87 / 2.83, 0 spills)
     (("KBITS=4", "VBITS=2", "G=64"), 2.8),  # Int2PagedCache shape (2.46 / 2.42)
     (("KBITS=2", "VBITS=2", "BF16=1"), 3.0),  # 2/2 bits, bf16 PTX (2.58 / 2.50)
-])
+]
+NEWKV_MERGE = ("NEWKV=1", "MERGE=1", "BM=16", "BSM=4")
+STEP32 = ("BLOCK=32",)
+UNDER_MMA_K = [("P=32", "BLOCK=32", "KBITS=4", "VBITS=2"), ("G=16", "P=16", "BLOCK=16")]
+VALUES8 = ("KBITS=8", "VBITS=8", "GROUP=1", "GP=1", "D=64", "KASM=0", "VASM=0")
+QUANTIZE = [(), ("KBITS=2", "VBITS=4", "SDT=bf16", "DT=bf16"), ("KBITS=8", "VBITS=8", "SDT=fp32", "DT=fp32", "SPLIT=0"),
+            ("KBITS=2", "VBITS=2", "D=64", "G=64")]
+# every build the tests below check (the default decode build serves three of them)
+JOBS = ([decode_job(*c) for c, _ in DECODE_BUDGETS] + [decode_job(*NEWKV_MERGE), decode_job(KIVI_DECODE_STAGES="3"),
+                                                      decode_job(*STEP32, maxnreg=128)]
+        + [decode_job(*c, maxnreg=128) for c in UNDER_MMA_K] + [decode_job(*VALUES8)]
+        + [quantize_job(*c) for c in QUANTIZE])
+
+
+@pytest.mark.parametrize("consts,budget", DECODE_BUDGETS)
 def test_decode_kernel_builds_for_sm90(consts, budget):
     import triton
 
@@ -57,17 +133,16 @@ def test_decode_kernel_with_the_new_token_write_and_the_merge_builds_for_sm90():
     the partials) build for sm_90 with the paged loop as lean as without them, the arrival count as an acq_rel atomic
     at gpu scope and the partials read through L2 (ld.global.cg)."""
     base = sass()
-    r = sass("NEWKV=1", "MERGE=1", "BM=16", "BSM=4")
+    r = sass(*NEWKV_MERGE)
     assert r["spills"] == 0 and r["hmma"] > 0
     assert r["per_code"] <= base["per_code"] * 1.02, (r["per_code"], base["per_code"])
     assert r["atom_acq_rel_gpu"] >= 1 and r["ld_cg"] >= 1, r
     assert base["atom_acq_rel_gpu"] == 0 and base["ld_cg"] == 0
 
 
-def test_decode_kernel_three_stages_serialize_loads(monkeypatch):
+def test_decode_kernel_three_stages_serialize_loads():
     """The guard above can fail: with 3 stages the paged loop waits for all its copies every step."""
-    monkeypatch.setenv("KIVI_DECODE_STAGES", "3")
-    r = sass()
+    r = sass(KIVI_DECODE_STAGES="3")
     assert r["loop_waits"] == [0], r["loop_waits"]
 
 
@@ -78,13 +153,13 @@ def test_decode_kernel_32_token_steps_fit_128_registers():
     (3.9: 35), so there only a loose bound guards against a blow-up."""
     import triton
 
-    r = sass("BLOCK=32", maxnreg=128)
+    r = sass(*STEP32, maxnreg=128)
     print(triton.__version__, r)
     strict = triton.__version__.startswith("3.6")
     assert r["spills"] <= (8 if strict else 64) and r["per_code"] < (3.9 if strict else 5.0)
 
 
-@pytest.mark.parametrize("consts", [("P=32", "BLOCK=32", "KBITS=4", "VBITS=2"), ("G=16", "P=16", "BLOCK=16")])
+@pytest.mark.parametrize("consts", UNDER_MMA_K)
 def test_decode_kernel_builds_when_a_value_plane_is_under_an_mma_k(consts):
     """Steps whose value planes hold fewer than 16 tokens (2-bit values in 32-token steps, 4-bit in 16) join
     the planes into one MMA: the build succeeds (the interpreter does not enforce the MMA's k >= 16)."""
@@ -95,20 +170,12 @@ def test_decode_kernel_builds_when_a_value_plane_is_under_an_mma_k(consts):
 def test_decode_kernel_builds_for_8bit_values_and_one_query_per_head():
     """8-bit values (one plane per word) with a GQA group of 1: the GPU build once failed here (a reshape after a
     constexpr-if's early return, which Triton's compiler still builds; the interpreter never sees it)."""
-    r = sass("KBITS=8", "VBITS=8", "GROUP=1", "GP=1", "D=64", "KASM=0", "VASM=0")
+    r = sass(*VALUES8)
     assert r["spills"] == 0 and r["hmma"] > 0
 
 
-@pytest.mark.parametrize("consts", [(), ("KBITS=2", "VBITS=4", "SDT=bf16", "DT=bf16"),
-                                    ("KBITS=8", "VBITS=8", "SDT=fp32", "DT=fp32", "SPLIT=0"),
-                                    ("KBITS=2", "VBITS=2", "D=64", "G=64")])
+@pytest.mark.parametrize("consts", QUANTIZE)
 def test_quantize_kernel_builds_for_sm90(consts):
     """quantize_and_write compiles for sm_90 without spilling (keys and values in separate programs, or one)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "eval", "sass_quantize.py"), *consts],
-                         capture_output=True, text=True, env=env, timeout=300)
-    if out.returncode != 0 and "ptxas" in out.stderr and "not found" in out.stderr:
-        pytest.skip("ptxas not available")
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = build(quantize_job(*consts))
     assert r["spills"] == 0 and r["instructions"] > 0, r

@@ -55,13 +55,6 @@ MIN_MEAN_AGREE_INT4 = 20  # over the prompts (measured mean 26.5 with the sink p
 MIN_FORCED_INT4 = 0.9  # teacher-forced next-token agreement, every prompt (measured 0.958, 0.979, 1.0, 1.0)
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from kivi_cache.models import load_smollm2
-
-    return load_smollm2(torch.float32)
-
-
 def _clip(text: str, tok, max_tokens: int) -> str:
     kept: list[str] = []
     for p in text.split("\n\n"):
@@ -102,7 +95,7 @@ def _greedy(model, ids, cache) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def agreement(smollm2):
+def agreement(smollm2):  # smollm2: the session's model (tests/conftest.py)
     """{passage: {"prompt": n, "int8": agree, "int4": agree}} from one run of every cache on every passage."""
     from transformers import DynamicCache
 

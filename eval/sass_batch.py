@@ -1,0 +1,50 @@
+"""Several sm_90 builds of eval/sass_decode.py / eval/sass_quantize.py in one process (one import of torch and
+Triton instead of one per build; tests/test_sass.py runs its builds this way).
+
+    echo '[{"script": "decode", "args": ["KBITS=2"], "env": {"R": "128"}}]' | python eval/sass_batch.py
+
+Each job: ``script`` ("decode" or "quantize"), ``args`` (the KEY=VALUE arguments of that script), ``env``
+(variables set for this build only, e.g. ``R``, ``KIVI_DECODE_STAGES``; the rest is this process's environment).
+The last line printed is a JSON list with, per job in order, ``{"result": <the script's JSON summary>}`` or
+``{"error": <traceback>}``; the scripts' reports go to stderr.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)  # a GPU build, before kivi_cache.kernels is imported
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sass_decode  # noqa: E402
+import sass_quantize  # noqa: E402
+
+SCRIPTS = {"decode": sass_decode.summary, "quantize": sass_quantize.summary}
+
+
+def run(job: dict) -> dict:
+    env = job.get("env", {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return {"result": SCRIPTS[job["script"]](list(job.get("args", [])))}
+    except Exception:
+        return {"error": traceback.format_exc()}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main():
+    jobs = json.loads(sys.stdin.read())
+    print(json.dumps([run(job) for job in jobs]))
+
+
+if __name__ == "__main__":
+    main()
