@@ -1,0 +1,150 @@
+"""kivi_cache on the GPU across model families: greedy tokens and logits against ``DynamicCache``.
+
+Tiny random-weight models (no download) of several architectures, fp16 on one GPU, a left-padded batch of two
+prompts longer than the residual window (so pages and the Triton kernels are used), ``--new`` greedy tokens with
+``DynamicCache``, ``Int8PagedCache``-like 8-bit (near lossless) and ``Int4PagedCache``-like 4-bit settings (small
+window, no sinks). Per family: leading tokens that agree with ``DynamicCache`` per sequence, the max relative error
+of the step logits (teacher-forced: every cache decodes the ``DynamicCache`` tokens), whether the decode kernel
+ran (``ops`` warns once when it falls back to the torch reference) and whether the hook served the layers from
+the pages or fell back (sliding windows longer than the sequence are served; shorter ones fall back).
+
+    python eval/families_gpu.py --out $OUT/families_gpu.json          # on the GPU (~1 minute)
+    python eval/families_gpu.py --device cpu --new 4 --families llama  # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import transformers as T  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from kivi_cache import QuantizedPagedCache, cache_kwargs  # noqa: E402
+
+# head_dim 64 or 128 (the kernels' sizes), GQA where the family has it
+BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0)
+FAMILIES = {
+    "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**BASE)),
+    "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**BASE, head_dim=64, sliding_window=4096)),
+    "mistral-window64": lambda: T.MistralForCausalLM(T.MistralConfig(**BASE, head_dim=64, sliding_window=64)),
+    "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**BASE)),
+    "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**BASE, head_dim=64)),
+    "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**BASE)),
+    "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**dict(BASE, num_attention_heads=2, num_key_value_heads=1),
+                                                      head_dim=128)),
+    "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=2048, rotary_pct=0.25, pad_token_id=0)),
+    "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**BASE, sliding_window=4096)),
+}
+SETTINGS = {
+    "int8": dict(key_bits=8, value_bits=8, group_size=32, residual_length=32, sink_length=0),
+    "int4": dict(key_bits=4, value_bits=4, group_size=32, residual_length=32, sink_length=0),
+}
+
+
+def leading(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def forced_logits(model, ids, mask, tokens, cache):
+    """Prompt, then the given continuation one token at a time through ``cache``: the logits ``[B, N, V]``."""
+    out = []
+    with torch.no_grad():
+        kw = cache_kwargs(model, cache)
+        pos = mask.long().cumsum(-1) - 1
+        o = model(ids, attention_mask=mask, position_ids=pos.clamp(min=0), **kw)
+        out.append(o.logits[:, -1].float())
+        for i in range(tokens.shape[1] - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            pos = pos[:, -1:] + 1
+            o = model(tokens[:, i:i + 1], attention_mask=mask, position_ids=pos, **kw)
+            out.append(o.logits[:, -1].float())
+    return torch.stack(out, 1)
+
+
+def run_family(name, args, dev):
+    torch.manual_seed(0)
+    model = FAMILIES[name]().eval().to(dev, torch.float16 if dev.type == "cuda" else torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 512, (2, args.prompt), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :args.pad] = 0
+    mask[1, :args.pad] = 0
+    ids, mask = ids.to(dev), mask.to(dev)
+    gen = dict(attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **cache_kwargs(model, DynamicCache()), **gen)[:, ids.shape[1]:]
+    ref_logits = forced_logits(model, ids, mask, ref, DynamicCache())
+    row = {"family": name, "type": type(model).__name__}
+    for label, setting in SETTINGS.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                seq = model.generate(ids, **cache_kwargs(model, QuantizedPagedCache(**setting)), **gen)
+            cache = QuantizedPagedCache(**setting)
+            logits = forced_logits(model, ids, mask, ref, cache)
+        seq = seq[:, ids.shape[1]:]
+        err = ((logits - ref_logits).abs().amax() / ref_logits.abs().amax()).item()
+        rep = cache.memory_report()
+        row[label] = {
+            "leading_agree": [leading(seq[i].tolist(), ref[i].tolist()) for i in range(seq.shape[0])],
+            "max_rel_logit_err": err,
+            "quantized_tokens": rep.quantized_tokens,
+            "warnings": sorted({str(w.message)[:200] for w in caught if "kivi_cache" in str(w.message)}),
+        }
+    print(f"{name:18s} " + "  ".join(f"{k}: agree {row[k]['leading_agree']} / {args.new}, logit err "
+                                     f"{row[k]['max_rel_logit_err']:.2e}, {len(row[k]['warnings'])} warnings"
+                                     for k in SETTINGS), flush=True)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--prompt", type=int, default=300)
+    ap.add_argument("--pad", type=int, default=37)
+    ap.add_argument("--new", type=int, default=24)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    meta = {"torch": torch.__version__, "transformers": T.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+            "prompt": args.prompt, "pad": args.pad, "new": args.new, "settings": SETTINGS}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(meta, flush=True)
+    rows = []
+    for name in args.families.split(","):
+        try:
+            rows.append(run_family(name, args, dev))
+        except Exception as exc:  # one family's failure is recorded, the others still run
+            print(f"{name}: ERROR {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"family": name, "error": f"{type(exc).__name__}: {exc}"})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
