@@ -7,8 +7,11 @@ The wrapper is a pass-through unless the keys it receives came from a
 computes attention from the pages and the residual window. Cases it does not
 serve (sliding windows, soft-capping, attention sinks, dropout, attention
 weights) get the materialized full-precision history and the original
-function: slower, never wrong. Any other implementation (``eager``, flash)
-materializes through the handle the same way. Attention over a handle is
+function: slower, never wrong. A sliding window counts whether the module
+holds it (Gemma) or passes it to the attention function (Mistral, Phi3,
+Starcoder2), and so does any layer whose ``config.layer_types`` entry is not
+``full_attention`` (Llama 4's chunked attention). Any other implementation
+(``eager``, flash) materializes through the handle the same way. Attention over a handle is
 host bookkeeping that ``torch.compile`` must not trace: it is
 ``torch.compiler.disable``'d (a compiled forward breaks its graph there and runs
 it as plain Python); only a static cache's decode step is traced.
@@ -27,9 +30,23 @@ _original_sdpa = None
 _EMPTY: dict = {}
 
 
+def _full_attention_layer(module) -> bool:
+    """The model config's ``layer_types`` entry for this layer is full attention (or there is none). Chunked
+    attention (Llama 4) and other masked layer types say so only there: the mask carries the pattern, which the
+    paged decode does not read."""
+    d = getattr(module, "__dict__", _EMPTY)  # plain attributes (nn.Module.__getattr__ raises for missing ones)
+    layer_types = getattr(d.get("config"), "layer_types", None)
+    idx = d.get("layer_idx")
+    if not layer_types or not isinstance(idx, int) or not 0 <= idx < len(layer_types):
+        return True
+    return layer_types[idx] == "full_attention"
+
+
 def _served(module, query, dropout, kwargs) -> bool:
     return (
         getattr(module, "sliding_window", None) is None
+        and kwargs.get("sliding_window") is None  # Mistral, Mixtral, Phi3, Starcoder2 pass it as an argument
+        and _full_attention_layer(module)
         and getattr(module, "is_causal", True)
         and not dropout
         and kwargs.get("softcap") is None
