@@ -83,6 +83,12 @@ class QuantizedPagedCache(Cache):
             self.layers.append(QuantizedPagedLayer(self.quant_config))
         return self.layers[layer_idx].update(key_states, value_states)
 
+    def __iter__(self):
+        """``(keys, values, None)`` per layer, in full precision, as iterating a ``DynamicCache`` gives (the third
+        item: its sliding-window length, None for full attention). Dequantizes every layer: for inspection."""
+        for layer in self.layers:
+            yield layer.keys, layer.values, None
+
     @property
     def is_compileable(self) -> bool:
         return False

@@ -237,6 +237,20 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self._unsupported("batch_repeat_interleave")
         super().batch_repeat_interleave(repeats)
 
+    def _full_precision(self, which: int):
+        if not self.static:
+            return super()._full_precision(which)
+        # the host bookkeeping from the device state (as memory_stats), the device state itself for the tables
+        self.q_lens = self.q_len.tolist()
+        self.r_lens = self.r_len.tolist()
+        self.sinks = self.sink_len.tolist()
+        saved = self._dev, self.seen
+        self._dev, self.seen = (self.block_table, self.q_len, self.r_len), int(self.seen_t)
+        try:
+            return super()._full_precision(which)
+        finally:
+            self._dev, self.seen = saved
+
     def memory_stats(self) -> dict:
         if not self.static:
             return super().memory_stats()

@@ -7,7 +7,8 @@ import torch
 import transformers as T
 from transformers import DynamicCache
 
-from kivi_cache import QuantizedPagedCache, cache_kwargs
+from kivi_cache import QuantConfig, QuantizedPagedCache, cache_kwargs
+from kivi_cache.layer import QuantizedPagedLayer
 
 SMALL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
@@ -49,3 +50,133 @@ def test_windowed_attention_without_config_matches_dynamic_cache(family):
     seq, logits = _generate(model, ids, mask, QuantizedPagedCache(key_bits=8, value_bits=8, residual_length=256))
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(seq, ref_seq)
+
+
+# ------------------------------------------------------------------ encoder-decoder models, layer tensors
+
+def _whisper():
+    torch.manual_seed(0)
+    cfg = T.WhisperConfig(vocab_size=128, d_model=128, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                          max_source_positions=25, max_target_positions=128, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None)
+    return T.WhisperForConditionalGeneration(cfg).eval()
+
+
+def _bart():
+    torch.manual_seed(0)
+    cfg = T.BartConfig(vocab_size=128, d_model=128, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                       max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                       decoder_start_token_id=2, forced_eos_token_id=None)
+    return T.BartForConditionalGeneration(cfg).eval()
+
+
+def _t5():
+    torch.manual_seed(0)
+    cfg = T.T5Config(vocab_size=128, d_model=128, d_kv=32, d_ff=128, num_layers=1, num_decoder_layers=2, num_heads=4,
+                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T.T5ForConditionalGeneration(cfg).eval()
+
+
+def _encoder_inputs(name):
+    gen = torch.Generator().manual_seed(1)
+    if name == "whisper":
+        return dict(input_features=torch.randn(2, 16, 50, generator=gen))
+    ids = torch.randint(3, 128, (2, 30), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _generate_ed(model, inputs, cache, n=40, **kw):
+    with torch.no_grad():
+        return model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, **kw)
+
+
+NO_QUANT = dict(key_bits=8, value_bits=8, residual_length=256)  # nothing reaches the pages: exact
+PAGED = dict(key_bits=8, value_bits=8, group_size=16, residual_length=8, page_size=16, sink_length=2)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
+def test_encoder_decoder_caches(name):
+    """``EncoderDecoderCache(QuantizedPagedCache(), DynamicCache())``: the decoder's self-attention in pages (T5's
+    position bias takes the materialized fallback), cross-attention in the DynamicCache; or both quantized."""
+    from transformers import EncoderDecoderCache
+
+    model = {"t5": _t5, "bart": _bart, "whisper": _whisper}[name]()
+    inputs = _encoder_inputs(name)
+    ref = _generate_ed(model, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()))
+    out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT), DynamicCache()))
+    assert torch.equal(out, ref)
+    cache = EncoderDecoderCache(QuantizedPagedCache(**PAGED), DynamicCache())
+    out = _generate_ed(model, inputs, cache)
+    assert all(q > 0 for layer in cache.self_attention_cache.layers for q in layer.q_lens)  # pages in use
+    assert torch.equal(out[:, :8], ref[:, :8])
+    # a quantized cross-attention cache too: the models read its layers' keys/values after the first step (None
+    # before: AttributeError); they are the dequantized encoder states
+    out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT),
+                                                          QuantizedPagedCache(**NO_QUANT)))
+    assert torch.equal(out, ref)
+
+
+def test_whisper_generate_returning_a_dict():
+    """Whisper's generate with ``return_dict_in_generate`` splits the cache by sequence through each layer's
+    ``keys``/``values`` (None on a QuantizedPagedLayer before: TypeError). They are now the dequantized history."""
+    from transformers import EncoderDecoderCache
+
+    model = _whisper()
+    inputs = _encoder_inputs("whisper")
+    kw = dict(return_dict_in_generate=True, output_scores=True)
+    ref = _generate_ed(model, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()), **kw)
+    out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT), DynamicCache()), **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores))
+
+
+def test_layer_keys_and_values_are_the_dequantized_history():
+    """``layer.keys``/``layer.values`` and iterating the cache give what a DynamicCache holds (``[B, H, seen, D]``,
+    right-aligned; stored tokens dequantized), pending tokens included, without committing anything."""
+    from models import tiny_llama
+
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    caches = [DynamicCache(), QuantizedPagedCache(**PAGED)]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, attention_mask=mask, **cache_kwargs(model, cache))
+    ref, got = caches
+    assert got.layers[0].q_lens == [16, 16]  # pages in use
+    assert len(list(got)) == len(list(ref)) == 2
+    for (rk, rv, _), (k, v, sliding) in zip(ref, got, strict=True):
+        assert sliding is None and k.shape == rk.shape and v.shape == rv.shape
+        real = mask.bool()[:, None, :, None]
+        torch.testing.assert_close(k * real, rk * real, atol=0.05, rtol=0.05)
+        torch.testing.assert_close(v * real, rv * real, atol=0.05, rtol=0.05)
+    layer = got.layers[1]
+    torch.testing.assert_close(layer.keys[:, :, -8:], ref.layers[1].keys[:, :, -8:])  # the window: exact
+    # a pending step (update called, attention not yet run) shows in keys and stays pending
+    new = torch.randn(2, 4, 3, 32)
+    kh, _ = got.update(new, new, 0)
+    assert got.layers[0].keys.shape == (2, 4, 43, 32) and got.layers[0].pending is not None
+    assert torch.equal(got.layers[0].keys[:, :, -3:], new)
+    with pytest.raises(AttributeError, match="read-only"):
+        got.layers[0].keys = new
+    assert QuantizedPagedLayer(QuantConfig()).keys is None  # before the first update, as a DynamicLayer's
+
+
+def test_values_of_another_head_dim_are_refused_clearly():
+    """DeepSeek-V3's multi-head latent attention caches 32-channel keys and 16-channel values: refused at the first
+    update, naming the shapes, with nothing stored."""
+    torch.manual_seed(0)
+    cfg = T.DeepseekV3Config(**dict(SMALL, num_key_value_heads=4), n_routed_experts=2, num_experts_per_tok=1,
+                             moe_intermediate_size=64, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+                             qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, n_group=1, topk_group=1)
+    model = T.DeepseekV3ForCausalLM(cfg).eval()
+    cache = QuantizedPagedCache()
+    with pytest.raises(ValueError, match=r"values have another head_dim than its keys"), torch.no_grad():
+        model(torch.randint(3, 128, (1, 8)), **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers)

@@ -144,6 +144,18 @@ def test_static_errors():
         cache.reorder_cache(torch.tensor([0]))
 
 
+def test_static_layer_keys_equal_the_eager_caches():
+    """``layer.keys``/``values`` (the dequantized history) read the device state in static mode."""
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(3))
+    eager, static = QuantizedPagedCache(**CFG), StaticQuantizedPagedCache(model, 128, **CFG)
+    for cache in (eager, static):
+        _generate(model, ids, cache)
+    assert static.layers[0].static and static.get_seq_length() == eager.get_seq_length() == 69
+    for (k, v, _), (ks, vs, _) in zip(eager, static, strict=True):
+        assert torch.equal(ks, k) and torch.equal(vs, v)
+
+
 def test_static_refuses_attention_it_cannot_serve():
     """A static decode step hands the model the bare window and serves it in the sdpa hook; any other attention got
     that window as the whole history (a shape error, or wrong logits where max_cache_len equals the window's
