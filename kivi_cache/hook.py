@@ -10,7 +10,8 @@ weights) get the materialized full-precision history and the original
 function: slower, never wrong. A sliding window counts whether the module
 holds it (Gemma) or passes it to the attention function (Mistral, Phi3,
 Starcoder2), and so does any layer whose ``config.layer_types`` entry is not
-``full_attention`` (Llama 4's chunked attention). Any other implementation
+``full_attention`` (Llama 4's chunked attention), and a floating mask that
+carries an additive bias (ALiBi). Any other implementation
 (``eager``, flash) materializes through the handle the same way. Attention over a handle is
 host bookkeeping that ``torch.compile`` must not trace: it is
 ``torch.compiler.disable``'d (a compiled forward breaks its graph there and runs
@@ -18,6 +19,8 @@ it as plain Python); only a static cache's decode step is traced.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -74,11 +77,37 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
     return _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
+_LAST_BIAS: list = [None, None, False]  # (weakref to the mask, key, answer) of the last floating mask
+
+
+def _mask_adds_bias(mask) -> bool:
+    """A floating mask holding values other than 0 and the masked-out minimum: an additive bias (Falcon's ALiBi
+    from transformers 5.25 on, or a user's 4-D mask), which the paged attention, reading only padding from the
+    mask, would drop. A bool mask (what transformers' sdpa mask function builds) cannot hold one and costs
+    nothing; a floating one is read back once per forward (every layer gets the same tensor: the answer is kept
+    for it while it is alive and unmodified)."""
+    if mask is None or mask.dtype == torch.bool or not mask.is_floating_point():
+        return False
+    try:
+        key = (id(mask), mask._version, mask.data_ptr(), tuple(mask.shape))
+    except RuntimeError:  # an inference-mode tensor has no version counter: no memo
+        key = None
+    ref, last_key, last = _LAST_BIAS
+    if key is not None and last_key == key and ref is not None and ref() is mask:
+        return last
+    bias = bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
+    try:
+        _LAST_BIAS[:] = [weakref.ref(mask), key, bias] if key is not None else [None, None, False]
+    except TypeError:  # a tensor subclass without weak references: no memo
+        _LAST_BIAS[:] = [None, None, False]
+    return bias
+
+
 @torch.compiler.disable
 def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
     not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
-    if not _served(module, query, dropout, kwargs):
+    if not _served(module, query, dropout, kwargs) or _mask_adds_bias(attention_mask):
         return _original_sdpa(module, query, key.materialize(), value.materialize(), attention_mask,
                               dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:

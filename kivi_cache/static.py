@@ -278,9 +278,10 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if not getattr(model, "_supports_attention_backend", False):
-            raise ValueError(f"StaticQuantizedPagedCache needs a model whose attention goes through transformers' "
-                             f"attention functions; {type(model).__name__} computes its own (its static decode "
-                             f"step would get the bare window); use QuantizedPagedCache for this model")
+            raise ValueError(f"StaticQuantizedPagedCache needs a model that routes attention through transformers' "
+                             f"attention functions (_supports_attention_backend); {type(model).__name__} does not "
+                             f"declare it (a static decode step would hand it the bare window); use "
+                             f"QuantizedPagedCache for this model")
         impl = getattr(text, "_attn_implementation", None)
         if impl not in ("sdpa", hook.NAME):
             raise ValueError(f"StaticQuantizedPagedCache needs attn_implementation 'sdpa' or '{hook.NAME}', got "

@@ -180,3 +180,46 @@ def test_values_of_another_head_dim_are_refused_clearly():
     with pytest.raises(ValueError, match=r"values have another head_dim than its keys"), torch.no_grad():
         model(torch.randint(3, 128, (1, 8)), **cache_kwargs(model, cache))
     assert cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers)
+
+
+def test_falcon_alibi_matches_dynamic_cache():
+    """Falcon with ALiBi: from transformers 5.25 its bias is added into the attention mask handed to the sdpa
+    function (5.24 computed attention itself); the paged attention reads only padding from the mask."""
+    torch.manual_seed(0)
+    cfg = T.FalconConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         multi_query=True, alibi=True, new_decoder_architecture=False)
+    model = T.FalconForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ref_seq, ref_logits = _generate(model, ids, mask, DynamicCache())
+    seq, logits = _generate(model, ids, mask, QuantizedPagedCache(**NO_QUANT))
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_additive_bias_in_the_mask_takes_the_fallback(new):
+    """A floating 4-D mask holding values other than 0 and the masked-out minimum carries a bias (ALiBi, a user's
+    mask): the decode step and a chunk on a filled cache, which read only padding from the mask, take the
+    materialized fallback instead of dropping it."""
+    from models import tiny_llama
+
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 128, (2, 40), generator=gen)
+    nxt = torch.randint(1, 128, (2, new), generator=gen)
+    total = 40 + new
+    bias = -0.3 * (total - 1 - torch.arange(total, dtype=torch.float32))  # ALiBi-like: older keys weigh less
+    mask = bias.expand(2, 1, new, total).clone()
+    causal = torch.ones(new, total, dtype=torch.bool).tril(40)
+    mask[:, :, ~causal] = torch.finfo(torch.float32).min
+    mask[1, :, :, 5] = torch.finfo(torch.float32).min  # and a token hidden from the second sequence
+    logits = []
+    for cache in (DynamicCache(), QuantizedPagedCache(**NO_QUANT)):
+        with torch.no_grad():
+            model(ids, **cache_kwargs(model, cache))
+            out = model(nxt, attention_mask=mask, position_ids=torch.arange(40, total).expand(2, new),
+                        **cache_kwargs(model, cache))
+        logits.append(out.logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)

@@ -166,7 +166,7 @@ def test_static_refuses_attention_it_cannot_serve():
     with pytest.raises(ValueError, match=r"attn_implementation 'sdpa' or 'kivi', got 'eager'"):
         StaticQuantizedPagedCache(tiny_llama(attn="eager"), 64, **CFG)
     bloom = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=128, n_layer=1, n_head=4)).eval()
-    with pytest.raises(ValueError, match="BloomForCausalLM computes its own"):
+    with pytest.raises(ValueError, match="BloomForCausalLM does not declare it"):
         StaticQuantizedPagedCache(bloom, 64, **CFG)
     model = tiny_llama()
     ids = torch.randint(0, 100, (1, 30), generator=torch.Generator().manual_seed(3))
