@@ -26,6 +26,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from .layer import _valid_tokens
 from .lazy import KVHandle
 
 NAME = "kivi"
@@ -108,7 +109,9 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
     not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
     if not _served(module, query, dropout, kwargs) or _mask_adds_bias(attention_mask):
-        return _original_sdpa(module, query, key.materialize(), value.materialize(), attention_mask,
+        # the mask says which new tokens are pads: not stored, as on the served path
+        valid = _valid_tokens(attention_mask, query.shape[2], key.step.layer.batch_size)
+        return _original_sdpa(module, query, key.materialize(valid), value.materialize(valid), attention_mask,
                               dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

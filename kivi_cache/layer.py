@@ -459,16 +459,17 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.commit(step, valid)
         return out.transpose(1, 2)
 
-    def materialize(self, step: PendingStep):
-        """Full-precision ``[B, H, seen, D]`` keys and values for attention functions the hook does not serve."""
+    def materialize(self, step: PendingStep, valid: torch.Tensor | None = None):
+        """Full-precision ``[B, H, seen, D]`` keys and values for attention functions the hook does not serve.
+        ``valid`` ``[B, L]`` bool marks the step's real tokens (None: all; pads are then stored)."""
         n = step.key.shape[2]
         if n == 1:
-            self.commit(step)
+            self.commit(step, valid)
             return self._stored_layout(self.seen)
         k0, v0 = self._stored_layout(self.seen - n)
         k = torch.cat([k0, step.key], dim=2)
         v = torch.cat([v0, step.value], dim=2)
-        self.commit(step)
+        self.commit(step, valid)
         return k, v
 
     # --------------------------------------- DynamicLayer's keys/values, for code that reads a layer's tensors

@@ -110,11 +110,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         and the sinks' tokens: ~2 spare pages per sequence, 1.6 GiB at 320 x 4k on Llama-3-8B)."""
         return max(1, self.cfg.pages_per_sequence(self.max_cache_len))
 
-    def materialize(self, step):
+    def materialize(self, step, valid=None):
         # the prompt's attention read the full-precision history, not the pages through the hook (eager or flash
         # attention, output_attentions, soft-capping, sinks): the static decode step could not serve it either
         self.materialized_prompt = True
-        return super().materialize(step)
+        return super().materialize(step, valid)
 
     def commit(self, step, valid=None, defer_write=False) -> bool:
         super().commit(step, valid)  # the window written here (a one-token prompt too): the static state reads it

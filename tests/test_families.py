@@ -223,3 +223,22 @@ def test_additive_bias_in_the_mask_takes_the_fallback(new):
                         **cache_kwargs(model, cache))
         logits.append(out.logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_fallback_layers_do_not_store_pads():
+    """Layers the hook leaves to the materialized fallback (here Mistral's sliding window) still see the padding
+    mask: a left-padded batch stores no pad tokens there either, so each sequence is quantized in the same groups
+    as alone (before, the fallback stored the pads, which shifted the sequence's key groups)."""
+    torch.manual_seed(0)
+    model = WINDOWED["mistral"]().eval()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    cache = QuantizedPagedCache(**PAGED)
+    _, logits = _generate(model, ids, mask, cache)
+    assert all(layer.pads == [0, 7] for layer in cache.layers)
+    alone = QuantizedPagedCache(**PAGED)
+    _, alone_logits = _generate(model, ids[1:, 7:], None, alone)
+    assert cache.layers[0].q_lens[1] == alone.layers[0].q_lens[0] > 0
+    torch.testing.assert_close(logits[1], alone_logits[0], rtol=1e-4, atol=1e-4)
