@@ -242,3 +242,16 @@ def test_fallback_layers_do_not_store_pads():
     _, alone_logits = _generate(model, ids[1:, 7:], None, alone)
     assert cache.layers[0].q_lens[1] == alone.layers[0].q_lens[0] > 0
     torch.testing.assert_close(logits[1], alone_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_models_with_state_layers_are_refused_clearly():
+    """LFM2's convolution layers (and Mamba / linear-attention layers of Jamba, Qwen3-Next) keep state in the
+    cache through ``has_previous_state``/``update_conv_state``: without ``config=`` that was an IndexError inside
+    transformers' Cache; now a ValueError naming what is unsupported."""
+    torch.manual_seed(0)
+    cfg = T.Lfm2Config(**dict(SMALL, num_hidden_layers=4), layer_types=["conv", "full_attention"] * 2)
+    model = T.Lfm2ForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match="convolution or state-space layers"), torch.no_grad():
+        model.generate(torch.randint(3, 128, (1, 8)), **cache_kwargs(model, QuantizedPagedCache()), max_new_tokens=2)
+    with pytest.raises(ValueError, match="layer_types"):
+        QuantizedPagedCache(config=cfg)
