@@ -7,12 +7,13 @@ The wrapper is a pass-through unless the keys it receives came from a
 computes attention from the pages and the residual window. Cases it does not
 serve (sliding windows, soft-capping, attention sinks, dropout, attention
 weights) get the materialized full-precision history and the original
-function: slower, never wrong. A sliding window counts whether the module
-holds it (Gemma) or passes it to the attention function (Mistral, Phi3,
-Starcoder2), and so does any layer whose ``config.layer_types`` entry is not
-``full_attention`` (Llama 4's chunked attention), and a floating mask that
-carries an additive bias (ALiBi). Any other implementation
-(``eager``, flash) materializes through the handle the same way. Attention over a handle is
+function: slower, never wrong. A sliding window counts (once the sequence
+is as long as the window) whether the module holds it (Gemma) or passes it to
+the attention function (Mistral, Phi3, Starcoder2); so does any layer whose
+``config.layer_types`` entry is neither full nor sliding attention (Llama 4's
+chunked attention), and a floating mask that carries an additive bias (ALiBi).
+Any other implementation (``eager``, flash) materializes through the handle
+the same way. Attention over a handle is
 host bookkeeping that ``torch.compile`` must not trace: it is
 ``torch.compiler.disable``'d (a compiled forward breaks its graph there and runs
 it as plain Python); only a static cache's decode step is traced.
@@ -34,23 +35,34 @@ _original_sdpa = None
 _EMPTY: dict = {}
 
 
-def _full_attention_layer(module) -> bool:
-    """The model config's ``layer_types`` entry for this layer is full attention (or there is none). Chunked
-    attention (Llama 4) and other masked layer types say so only there: the mask carries the pattern, which the
-    paged decode does not read."""
+def _layer_type(module) -> str | None:
+    """The model config's ``layer_types`` entry for this attention module (None if there is none). Chunked
+    attention (Llama 4) says so only there: the mask carries the pattern, which the paged attention does not read."""
     d = getattr(module, "__dict__", _EMPTY)  # plain attributes (nn.Module.__getattr__ raises for missing ones)
     layer_types = getattr(d.get("config"), "layer_types", None)
     idx = d.get("layer_idx")
     if not layer_types or not isinstance(idx, int) or not 0 <= idx < len(layer_types):
-        return True
-    return layer_types[idx] == "full_attention"
+        return None
+    return layer_types[idx]
 
 
-def _served(module, query, dropout, kwargs) -> bool:
+def _pattern_served(module, kv_len: int, kwargs) -> bool:
+    """The layer's attention is plain causal over the ``kv_len`` tokens of the timeline. A sliding window, held by
+    the module (Gemma, Qwen2) or passed as an argument (Mistral, Mixtral, Phi3, Starcoder2), hides a key from a
+    query once they are ``window`` positions apart (transformers' ``sliding_window_overlay``: visible while
+    ``q - k < window``): a shorter timeline is unaffected and served from the pages; a longer one is not."""
+    window = getattr(module, "sliding_window", None)
+    if window is None:
+        window = kwargs.get("sliding_window")
+    layer_type = _layer_type(module)
+    if layer_type not in (None, "full_attention") and not (layer_type == "sliding_attention" and window is not None):
+        return False  # chunked attention and anything else that only the mask describes
+    return window is None or kv_len < window
+
+
+def _served(module, query, kv_len, dropout, kwargs) -> bool:
     return (
-        getattr(module, "sliding_window", None) is None
-        and kwargs.get("sliding_window") is None  # Mistral, Mixtral, Phi3, Starcoder2 pass it as an argument
-        and _full_attention_layer(module)
+        _pattern_served(module, kv_len, kwargs)
         and getattr(module, "is_causal", True)
         and not dropout
         and kwargs.get("softcap") is None
@@ -108,7 +120,7 @@ def _mask_adds_bias(mask) -> bool:
 def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
     not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
-    if not _served(module, query, dropout, kwargs) or _mask_adds_bias(attention_mask):
+    if not _served(module, query, key.shape[-2], dropout, kwargs) or _mask_adds_bias(attention_mask):
         # the mask says which new tokens are pads: not stored, as on the served path
         valid = _valid_tokens(attention_mask, query.shape[2], key.step.layer.batch_size)
         return _original_sdpa(module, query, key.materialize(valid), value.materialize(valid), attention_mask,

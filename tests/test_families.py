@@ -255,3 +255,20 @@ def test_hybrid_models_with_state_layers_are_refused_clearly():
         model.generate(torch.randint(3, 128, (1, 8)), **cache_kwargs(model, QuantizedPagedCache()), max_new_tokens=2)
     with pytest.raises(ValueError, match="layer_types"):
         QuantizedPagedCache(config=cfg)
+
+
+def test_a_window_longer_than_the_sequence_is_served_from_the_pages(monkeypatch):
+    """A sliding window changes nothing while the timeline is shorter than it (Mistral-7B-v0.1: 4096 tokens), so
+    such steps keep the paged attention; from the window's length on they take the fallback."""
+    torch.manual_seed(0)
+    model = WINDOWED["mistral"]().eval()  # window 16
+    calls = []
+    real = QuantizedPagedLayer.materialize
+    monkeypatch.setattr(QuantizedPagedLayer, "materialize", lambda self, *a: calls.append(self.seen) or real(self, *a))
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    ref_seq, ref_logits = _generate(model, ids, None, DynamicCache(), n=9)
+    seq, logits = _generate(model, ids, None, QuantizedPagedCache(**NO_QUANT), n=9)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
+    # 10 prompt tokens, then 8 decode steps storing tokens 11..18: the steps at 16, 17, 18 tokens take the fallback
+    assert sorted(set(calls)) == [16, 17, 18], calls
