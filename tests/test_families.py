@@ -119,6 +119,15 @@ def test_encoder_decoder_caches(name):
     out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT),
                                                           QuantizedPagedCache(**NO_QUANT)))
     assert torch.equal(out, ref)
+    if name != "whisper":  # right-padded encoder input: the cross-attention cache keeps every position
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["attention_mask"][1, -6:] = 0
+        kw = dict(output_logits=True, return_dict_in_generate=True)
+        ref = _generate_ed(model, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()), n=8, **kw)
+        cache = EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT), QuantizedPagedCache(**NO_QUANT))
+        out = _generate_ed(model, inputs, cache, n=8, **kw)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+        assert all(layer.pads == [0, 0] for layer in cache.cross_attention_cache.layers)
 
 
 def test_whisper_generate_returning_a_dict():
