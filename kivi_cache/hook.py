@@ -120,19 +120,20 @@ def _mask_adds_bias(mask) -> bool:
 def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
     not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
-    if not _served(module, query, key.shape[-2], dropout, kwargs) or _mask_adds_bias(attention_mask):
-        # in causal self-attention, where the queries are the new tokens, the mask says which are pads: not stored,
-        # as on the served path. Cross-attention (is_causal False) stores every encoder token: its mask's padding
-        # (often on the right) must keep the positions the mask was built for
-        step = key.step
-        valid = None
-        if getattr(module, "is_causal", True) and step.key.shape[2] == query.shape[2]:
-            valid = _valid_tokens(attention_mask, query.shape[2], step.layer.batch_size)
+    step = key.step
+    # causal self-attention: the queries are the step's new tokens. Cross-attention (new keys: the encoder's states)
+    # is not, also where a module does not mark it with is_causal=False
+    self_attention = step.key.shape[2] == query.shape[2] and getattr(module, "is_causal", True)
+    if (not self_attention or not _served(module, query, key.shape[-2], dropout, kwargs)
+            or _mask_adds_bias(attention_mask)):
+        # in self-attention the mask says which new tokens are pads: not stored, as on the served path.
+        # Cross-attention stores every encoder token: its mask's padding (often on the right) must keep the
+        # positions the mask was built for
+        valid = _valid_tokens(attention_mask, query.shape[2], step.layer.batch_size) if self_attention else None
         return _original_sdpa(module, query, key.materialize(valid), value.materialize(valid), attention_mask,
                               dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    step = key.step
     out = step.layer.attend(step, query, attention_mask, scaling, _original_sdpa, module, **kwargs)
     return out, None
 

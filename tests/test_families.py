@@ -128,6 +128,14 @@ def test_encoder_decoder_caches(name):
         out = _generate_ed(model, inputs, cache, n=8, **kw)
         torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
         assert all(layer.pads == [0, 0] for layer in cache.cross_attention_cache.layers)
+        # a model that does not mark its cross-attention with is_causal=False: still not served from the pages (the
+        # paged attention would ignore the encoder's padding)
+        for path, module in model.named_modules():
+            if path.endswith(("encoder_attn", "EncDecAttention")):  # the decoder's cross-attention (BART, T5)
+                module.is_causal = True
+        out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT),
+                                                              QuantizedPagedCache(**NO_QUANT)), n=8, **kw)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
 
 
 def test_whisper_generate_returning_a_dict():
