@@ -83,6 +83,37 @@ class QuantizedPagedCache(Cache):
             self.layers.append(QuantizedPagedLayer(self.quant_config))
         return self.layers[layer_idx].update(key_states, value_states)
 
+    def __iter__(self):
+        """``(keys, values, None)`` per layer, in full precision, as iterating a ``DynamicCache`` gives (the third
+        item: its sliding-window length, None for full attention). Dequantizes every layer: for inspection."""
+        for layer in self.layers:
+            yield layer.keys, layer.values, None
+
+    # Cache's state-layer API (convolution, Mamba, linear attention, sparse-attention indexers): not stored here
+    def _unsupported_state(self, method: str):
+        raise ValueError(
+            f"{type(self).__name__} stores attention keys and values only; this model called Cache.{method}: it has "
+            f"linear-attention, convolution or state-space layers (or an attention indexer), which kivi_cache does "
+            f"not support. Use transformers' DynamicCache(config=model.config) for this model.")
+
+    def has_previous_state(self, *args, **kwargs):
+        self._unsupported_state("has_previous_state")
+
+    def get_conv_state(self, *args, **kwargs):
+        self._unsupported_state("get_conv_state")
+
+    def update_conv_state(self, *args, **kwargs):
+        self._unsupported_state("update_conv_state")
+
+    def get_recurrent_state(self, *args, **kwargs):
+        self._unsupported_state("get_recurrent_state")
+
+    def update_recurrent_state(self, *args, **kwargs):
+        self._unsupported_state("update_recurrent_state")
+
+    def update_indexer(self, *args, **kwargs):
+        self._unsupported_state("update_indexer")
+
     @property
     def is_compileable(self) -> bool:
         return False

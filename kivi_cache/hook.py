@@ -7,8 +7,13 @@ The wrapper is a pass-through unless the keys it receives came from a
 computes attention from the pages and the residual window. Cases it does not
 serve (sliding windows, soft-capping, attention sinks, dropout, attention
 weights) get the materialized full-precision history and the original
-function: slower, never wrong. Any other implementation (``eager``, flash)
-materializes through the handle the same way. Attention over a handle is
+function: slower, never wrong. A sliding window counts (once the sequence
+is as long as the window) whether the module holds it (Gemma) or passes it to
+the attention function (Mistral, Phi3, Starcoder2); so does any layer whose
+``config.layer_types`` entry is neither full nor sliding attention (Llama 4's
+chunked attention), and a floating mask that carries an additive bias (ALiBi).
+Any other implementation (``eager``, flash) materializes through the handle
+the same way. Attention over a handle is
 host bookkeeping that ``torch.compile`` must not trace: it is
 ``torch.compiler.disable``'d (a compiled forward breaks its graph there and runs
 it as plain Python); only a static cache's decode step is traced.
@@ -16,10 +21,13 @@ it as plain Python); only a static cache's decode step is traced.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from .layer import _valid_tokens
 from .lazy import KVHandle
 
 NAME = "kivi"
@@ -27,9 +35,34 @@ _original_sdpa = None
 _EMPTY: dict = {}
 
 
-def _served(module, query, dropout, kwargs) -> bool:
+def _layer_type(module) -> str | None:
+    """The model config's ``layer_types`` entry for this attention module (None if there is none). Chunked
+    attention (Llama 4) says so only there: the mask carries the pattern, which the paged attention does not read."""
+    d = getattr(module, "__dict__", _EMPTY)  # plain attributes (nn.Module.__getattr__ raises for missing ones)
+    layer_types = getattr(d.get("config"), "layer_types", None)
+    idx = d.get("layer_idx")
+    if not layer_types or not isinstance(idx, int) or not 0 <= idx < len(layer_types):
+        return None
+    return layer_types[idx]
+
+
+def _pattern_served(module, kv_len: int, kwargs) -> bool:
+    """The layer's attention is plain causal over the ``kv_len`` tokens of the timeline. A sliding window, held by
+    the module (Gemma, Qwen2) or passed as an argument (Mistral, Mixtral, Phi3, Starcoder2), hides a key from a
+    query once they are ``window`` positions apart (transformers' ``sliding_window_overlay``: visible while
+    ``q - k < window``): a shorter timeline is unaffected and served from the pages; a longer one is not."""
+    window = getattr(module, "sliding_window", None)
+    if window is None:
+        window = kwargs.get("sliding_window")
+    layer_type = _layer_type(module)
+    if layer_type not in (None, "full_attention") and not (layer_type == "sliding_attention" and window is not None):
+        return False  # chunked attention and anything else that only the mask describes
+    return window is None or kv_len < window
+
+
+def _served(module, query, kv_len, dropout, kwargs) -> bool:
     return (
-        getattr(module, "sliding_window", None) is None
+        _pattern_served(module, kv_len, kwargs)
         and getattr(module, "is_causal", True)
         and not dropout
         and kwargs.get("softcap") is None
@@ -57,16 +90,50 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
     return _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
+_LAST_BIAS: list = [None, None, False]  # (weakref to the mask, key, answer) of the last floating mask
+
+
+def _mask_adds_bias(mask) -> bool:
+    """A floating mask holding values other than 0 and the masked-out minimum: an additive bias (Falcon's ALiBi
+    from transformers 5.25 on, or a user's 4-D mask), which the paged attention, reading only padding from the
+    mask, would drop. A bool mask (what transformers' sdpa mask function builds) cannot hold one and costs
+    nothing; a floating one is read back once per forward (every layer gets the same tensor: the answer is kept
+    for it while it is alive and unmodified)."""
+    if mask is None or mask.dtype == torch.bool or not mask.is_floating_point():
+        return False
+    try:
+        key = (id(mask), mask._version, mask.data_ptr(), tuple(mask.shape))
+    except RuntimeError:  # an inference-mode tensor has no version counter: no memo
+        key = None
+    ref, last_key, last = _LAST_BIAS
+    if key is not None and last_key == key and ref is not None and ref() is mask:
+        return last
+    bias = bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
+    try:
+        _LAST_BIAS[:] = [weakref.ref(mask), key, bias] if key is not None else [None, None, False]
+    except TypeError:  # a tensor subclass without weak references: no memo
+        _LAST_BIAS[:] = [None, None, False]
+    return bias
+
+
 @torch.compiler.disable
 def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
     not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
-    if not _served(module, query, dropout, kwargs):
-        return _original_sdpa(module, query, key.materialize(), value.materialize(), attention_mask,
+    step = key.step
+    # causal self-attention: the queries are the step's new tokens. Cross-attention (new keys: the encoder's states)
+    # is not, also where a module does not mark it with is_causal=False
+    self_attention = step.key.shape[2] == query.shape[2] and getattr(module, "is_causal", True)
+    if (not self_attention or not _served(module, query, key.shape[-2], dropout, kwargs)
+            or _mask_adds_bias(attention_mask)):
+        # in self-attention the mask says which new tokens are pads: not stored, as on the served path.
+        # Cross-attention stores every encoder token: its mask's padding (often on the right) must keep the
+        # positions the mask was built for
+        valid = _valid_tokens(attention_mask, query.shape[2], step.layer.batch_size) if self_attention else None
+        return _original_sdpa(module, query, key.materialize(valid), value.materialize(valid), attention_mask,
                               dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    step = key.step
     out = step.layer.attend(step, query, attention_mask, scaling, _original_sdpa, module, **kwargs)
     return out, None
 

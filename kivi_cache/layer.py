@@ -74,8 +74,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.cfg.check_head_dim(d)  # raises before any state is touched
         if value_states.shape[1] != h or value_states.shape[-1] != d:
             raise ValueError(
-                f"key and value heads must have the same shape, got {tuple(key_states.shape)} and "
-                f"{tuple(value_states.shape)}")
+                f"key and value heads must have the same shape (heads and head_dim), got keys "
+                f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}: a model whose values have "
+                f"another head_dim than its keys (DeepSeek's multi-head latent attention) is not supported; use "
+                f"transformers' DynamicCache for it")
         if key_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"key_states dtype must be float16, bfloat16 or float32, got {key_states.dtype}")
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -457,17 +459,56 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.commit(step, valid)
         return out.transpose(1, 2)
 
-    def materialize(self, step: PendingStep):
-        """Full-precision ``[B, H, seen, D]`` keys and values for attention functions the hook does not serve."""
+    def materialize(self, step: PendingStep, valid: torch.Tensor | None = None):
+        """Full-precision ``[B, H, seen, D]`` keys and values for attention functions the hook does not serve.
+        ``valid`` ``[B, L]`` bool marks the step's real tokens (None: all; pads are then stored)."""
         n = step.key.shape[2]
         if n == 1:
-            self.commit(step)
+            self.commit(step, valid)
             return self._stored_layout(self.seen)
         k0, v0 = self._stored_layout(self.seen - n)
         k = torch.cat([k0, step.key], dim=2)
         v = torch.cat([v0, step.value], dim=2)
-        self.commit(step)
+        self.commit(step, valid)
         return k, v
+
+    # --------------------------------------- DynamicLayer's keys/values, for code that reads a layer's tensors
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The cached keys in full precision, ``[B, H, seen, D]``, as ``DynamicLayer.keys`` holds them (stored
+        tokens dequantized, right-aligned, pads as zeros; a pending step's tokens included, nothing committed);
+        None before the first update. For code that reads a layer's tensors (Whisper's ``generate`` with
+        ``return_dict_in_generate``, iterating the cache): a new tensor each time, so writing to it changes
+        nothing, and a dequantization per read."""
+        return self._full_precision(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._read_only("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The cached values in full precision, ``[B, H, seen, D]`` (see :attr:`keys`)."""
+        return self._full_precision(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._read_only("values", value)
+
+    @staticmethod
+    def _read_only(name: str, value) -> None:
+        if value is not None:  # CacheLayerMixin.__init__ sets None
+            raise AttributeError(f"QuantizedPagedLayer.{name} is read-only: the dequantized history, computed on "
+                                 "each read (the cache stores codes, scales and a full-precision window)")
+
+    def _full_precision(self, which: int):
+        if not self.is_initialized:
+            return None
+        step = self.pending
+        if step is None:
+            return self._stored_layout(self.seen)[which]
+        stored = self._stored_layout(self.seen - step.key.shape[2])[which]
+        return torch.cat([stored, (step.key, step.value)[which]], dim=2)
 
     def _stored_layout(self, length: int):
         """Stored tokens dequantized, right-aligned in a ``[B, H, length, D]`` timeline (pads as zeros)."""

@@ -49,10 +49,12 @@ class KVHandle(torch.Tensor):
     def __repr__(self, *args, **kwargs):
         return f"KVHandle(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
-    def materialize(self) -> torch.Tensor:
+    def materialize(self, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The full-precision history; ``valid`` (``[B, L]`` bool, None: all) marks the step's real tokens, so
+        that pads are not stored (the attention hook's fallback reads it from the mask; other code cannot)."""
         step = self.step
         if step.materialized is None:
-            step.materialized = step.layer.materialize(step)
+            step.materialized = step.layer.materialize(step, valid)
         return step.materialized[self.which]
 
     @classmethod

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import hook, ops
 from .cache import INT4_PRESET, QuantizedPagedCache
 from .config import _check_int
 from .layer import QuantizedPagedLayer, query_len
@@ -99,7 +99,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.static = self.decoding = False
+        self.static = self.decoding = self.materialized_prompt = False
         need = key_states.shape[0] * self._pages_per_sequence()
         if self.pool.capacity < need:  # the whole pool at once: no doubling growth, nothing to copy later
             self.pool._grow(need)
@@ -109,6 +109,12 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         the window (as QuantConfig.pages_per_sequence; ceil(max_cache_len / page_size) also counted the window's
         and the sinks' tokens: ~2 spare pages per sequence, 1.6 GiB at 320 x 4k on Llama-3-8B)."""
         return max(1, self.cfg.pages_per_sequence(self.max_cache_len))
+
+    def materialize(self, step, valid=None):
+        # the prompt's attention read the full-precision history, not the pages through the hook (eager or flash
+        # attention, output_attentions, soft-capping, sinks): the static decode step could not serve it either
+        self.materialized_prompt = True
+        return super().materialize(step, valid)
 
     def commit(self, step, valid=None, defer_write=False) -> bool:
         super().commit(step, valid)  # the window written here (a one-token prompt too): the static state reads it
@@ -157,6 +163,12 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
 
     def _update_static(self, key_states, value_states):
         """One token per sequence as tensor operations on fixed shapes: the step torch.compile captures whole."""
+        if self.materialized_prompt:  # before anything is written; a constant for the compiler (set by the prompt)
+            raise ValueError(
+                "StaticQuantizedPagedCache: this layer's attention read the materialized full-precision history "
+                "for the prompt (attn_implementation other than 'sdpa'/'kivi', output_attentions, soft-capping or "
+                "attention sinks), which the static decode step cannot serve; load the model with "
+                "attn_implementation='sdpa' or use QuantizedPagedCache")
         if not torch.compiler.is_compiling():  # eager: a clear error before anything is written
             if self.host_seen + 1 > self.max_cache_len:
                 raise ValueError(f"StaticQuantizedPagedCache: more tokens than max_cache_len={self.max_cache_len} "
@@ -225,6 +237,20 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self._unsupported("batch_repeat_interleave")
         super().batch_repeat_interleave(repeats)
 
+    def _full_precision(self, which: int):
+        if not self.static:
+            return super()._full_precision(which)
+        # the host bookkeeping from the device state (as memory_stats), the device state itself for the tables
+        self.q_lens = self.q_len.tolist()
+        self.r_lens = self.r_len.tolist()
+        self.sinks = self.sink_len.tolist()
+        saved = self._dev, self.seen
+        self._dev, self.seen = (self.block_table, self.q_len, self.r_len), int(self.seen_t)
+        try:
+            return super()._full_precision(which)
+        finally:
+            self._dev, self.seen = saved
+
     def memory_stats(self) -> dict:
         if not self.static:
             return super().memory_stats()
@@ -251,6 +277,15 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         _check_int("max_cache_len", max_cache_len, 1)
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if not getattr(model, "_supports_attention_backend", False):
+            raise ValueError(f"StaticQuantizedPagedCache needs a model that routes attention through transformers' "
+                             f"attention functions (_supports_attention_backend); {type(model).__name__} does not "
+                             f"declare it (a static decode step would hand it the bare window); use "
+                             f"QuantizedPagedCache for this model")
+        impl = getattr(text, "_attn_implementation", None)
+        if impl not in ("sdpa", hook.NAME):
+            raise ValueError(f"StaticQuantizedPagedCache needs attn_implementation 'sdpa' or '{hook.NAME}', got "
+                             f"{impl!r}; load the model with attn_implementation='sdpa' or use QuantizedPagedCache")
         self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len)
                        for _ in range(text.num_hidden_layers)]
         bound = 0

@@ -144,6 +144,39 @@ def test_static_errors():
         cache.reorder_cache(torch.tensor([0]))
 
 
+def test_static_layer_keys_equal_the_eager_caches():
+    """``layer.keys``/``values`` (the dequantized history) read the device state in static mode."""
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(3))
+    eager, static = QuantizedPagedCache(**CFG), StaticQuantizedPagedCache(model, 128, **CFG)
+    for cache in (eager, static):
+        _generate(model, ids, cache)
+    assert static.layers[0].static and static.get_seq_length() == eager.get_seq_length() == 69
+    for (k, v, _), (ks, vs, _) in zip(eager, static, strict=True):
+        assert torch.equal(ks, k) and torch.equal(vs, v)
+
+
+def test_static_refuses_attention_it_cannot_serve():
+    """A static decode step hands the model the bare window and serves it in the sdpa hook; any other attention got
+    that window as the whole history (a shape error, or wrong logits where max_cache_len equals the window's
+    capacity). Now refused when the cache is made, or at the first decode step (nothing written) when the
+    implementation changed afterwards."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    with pytest.raises(ValueError, match=r"attn_implementation 'sdpa' or 'kivi', got 'eager'"):
+        StaticQuantizedPagedCache(tiny_llama(attn="eager"), 64, **CFG)
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=128, n_layer=1, n_head=4)).eval()
+    with pytest.raises(ValueError, match="BloomForCausalLM does not declare it"):
+        StaticQuantizedPagedCache(bloom, 64, **CFG)
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (1, 30), generator=torch.Generator().manual_seed(3))
+    cache = StaticQuantizedPagedCache(model, 34, **CFG)  # 34: sinks + residual + group, the window's capacity
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="materialized full-precision history"):
+        _generate(model, ids, cache, n=5)  # a flush at the 4th step: the bare window is no longer the history
+    assert int(cache.layers[0].seen_t) == 30  # the prompt, and no decode token
+
+
 def test_binding_does_not_capture_other_caches():
     """A model bound to a static cache still serves other caches normally."""
     model = tiny_llama()

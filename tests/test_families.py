@@ -1,0 +1,291 @@
+"""Model families other than Llama: attention the hook must not serve from the pages (sliding windows given as an
+attention argument, chunked attention) falls back to the materialized history and stays exact. Tiny random models,
+no download."""
+
+import pytest
+import torch
+import transformers as T
+from transformers import DynamicCache
+
+from kivi_cache import QuantConfig, QuantizedPagedCache, cache_kwargs
+from kivi_cache.layer import QuantizedPagedLayer
+
+SMALL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+# window / chunk of 16 tokens and a 40-token prompt: every decode step depends on the window being applied
+WINDOWED = {
+    # these pass the window to the attention function as a keyword (sliding_window=config.sliding_window)
+    "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SMALL, head_dim=32, sliding_window=16)),
+    "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**SMALL, sliding_window=16, pad_token_id=0)),
+    "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**SMALL, sliding_window=16)),
+    # chunked attention: only the config's layer_types says so (nothing on the module or in the arguments)
+    "llama4": lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(
+        **SMALL, head_dim=32, intermediate_size_mlp=256, attention_chunk_size=16, num_local_experts=2,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+
+
+def _generate(model, ids, mask, cache, n=8):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_windowed_attention_without_config_matches_dynamic_cache(family):
+    """Without ``config=`` the cache cannot refuse these models up front; the hook must see the window (a
+    ``sliding_window`` argument, or a layer type other than full attention) and use the materialized fallback.
+    With a window larger than the whole sequence nothing is quantized, so the logits must equal DynamicCache's."""
+    torch.manual_seed(0)
+    model = WINDOWED[family]().eval()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    ref_seq, ref_logits = _generate(model, ids, mask, DynamicCache())
+    seq, logits = _generate(model, ids, mask, QuantizedPagedCache(key_bits=8, value_bits=8, residual_length=256))
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
+
+
+# ------------------------------------------------------------------ encoder-decoder models, layer tensors
+
+def _whisper():
+    torch.manual_seed(0)
+    cfg = T.WhisperConfig(vocab_size=128, d_model=128, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                          max_source_positions=25, max_target_positions=128, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None)
+    return T.WhisperForConditionalGeneration(cfg).eval()
+
+
+def _bart():
+    torch.manual_seed(0)
+    cfg = T.BartConfig(vocab_size=128, d_model=128, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                       max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                       decoder_start_token_id=2, forced_eos_token_id=None)
+    return T.BartForConditionalGeneration(cfg).eval()
+
+
+def _t5():
+    torch.manual_seed(0)
+    cfg = T.T5Config(vocab_size=128, d_model=128, d_kv=32, d_ff=128, num_layers=1, num_decoder_layers=2, num_heads=4,
+                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T.T5ForConditionalGeneration(cfg).eval()
+
+
+def _encoder_inputs(name):
+    gen = torch.Generator().manual_seed(1)
+    if name == "whisper":
+        return dict(input_features=torch.randn(2, 16, 50, generator=gen))
+    ids = torch.randint(3, 128, (2, 30), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _generate_ed(model, inputs, cache, n=40, **kw):
+    with torch.no_grad():
+        return model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, **kw)
+
+
+NO_QUANT = dict(key_bits=8, value_bits=8, residual_length=256)  # nothing reaches the pages: exact
+PAGED = dict(key_bits=8, value_bits=8, group_size=16, residual_length=8, page_size=16, sink_length=2)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "whisper"])
+def test_encoder_decoder_caches(name):
+    """``EncoderDecoderCache(QuantizedPagedCache(), DynamicCache())``: the decoder's self-attention in pages (T5's
+    position bias takes the materialized fallback), cross-attention in the DynamicCache; or both quantized."""
+    from transformers import EncoderDecoderCache
+
+    model = {"t5": _t5, "bart": _bart, "whisper": _whisper}[name]()
+    inputs = _encoder_inputs(name)
+    ref = _generate_ed(model, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()))
+    out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT), DynamicCache()))
+    assert torch.equal(out, ref)
+    cache = EncoderDecoderCache(QuantizedPagedCache(**PAGED), DynamicCache())
+    out = _generate_ed(model, inputs, cache)
+    assert all(q > 0 for layer in cache.self_attention_cache.layers for q in layer.q_lens)  # pages in use
+    assert torch.equal(out[:, :8], ref[:, :8])
+    # a quantized cross-attention cache too: the models read its layers' keys/values after the first step (None
+    # before: AttributeError); they are the dequantized encoder states
+    out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT),
+                                                          QuantizedPagedCache(**NO_QUANT)))
+    assert torch.equal(out, ref)
+    if name != "whisper":  # right-padded encoder input: the cross-attention cache keeps every position
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["attention_mask"][1, -6:] = 0
+        kw = dict(output_logits=True, return_dict_in_generate=True)
+        ref = _generate_ed(model, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()), n=8, **kw)
+        cache = EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT), QuantizedPagedCache(**NO_QUANT))
+        out = _generate_ed(model, inputs, cache, n=8, **kw)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+        assert all(layer.pads == [0, 0] for layer in cache.cross_attention_cache.layers)
+        # a model that does not mark its cross-attention with is_causal=False: still not served from the pages (the
+        # paged attention would ignore the encoder's padding)
+        for path, module in model.named_modules():
+            if path.endswith(("encoder_attn", "EncDecAttention")):  # the decoder's cross-attention (BART, T5)
+                module.is_causal = True
+        out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT),
+                                                              QuantizedPagedCache(**NO_QUANT)), n=8, **kw)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_whisper_generate_returning_a_dict():
+    """Whisper's generate with ``return_dict_in_generate`` splits the cache by sequence through each layer's
+    ``keys``/``values`` (None on a QuantizedPagedLayer before: TypeError). They are now the dequantized history."""
+    from transformers import EncoderDecoderCache
+
+    model = _whisper()
+    inputs = _encoder_inputs("whisper")
+    kw = dict(return_dict_in_generate=True, output_scores=True)
+    ref = _generate_ed(model, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()), **kw)
+    out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT), DynamicCache()), **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores))
+
+
+def test_layer_keys_and_values_are_the_dequantized_history():
+    """``layer.keys``/``layer.values`` and iterating the cache give what a DynamicCache holds (``[B, H, seen, D]``,
+    right-aligned; stored tokens dequantized), pending tokens included, without committing anything."""
+    from models import tiny_llama
+
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    caches = [DynamicCache(), QuantizedPagedCache(**PAGED)]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, attention_mask=mask, **cache_kwargs(model, cache))
+    ref, got = caches
+    assert got.layers[0].q_lens == [16, 16]  # pages in use
+    assert len(list(got)) == len(list(ref)) == 2
+    for (rk, rv, _), (k, v, sliding) in zip(ref, got, strict=True):
+        assert sliding is None and k.shape == rk.shape and v.shape == rv.shape
+        real = mask.bool()[:, None, :, None]
+        torch.testing.assert_close(k * real, rk * real, atol=0.05, rtol=0.05)
+        torch.testing.assert_close(v * real, rv * real, atol=0.05, rtol=0.05)
+    layer = got.layers[1]
+    torch.testing.assert_close(layer.keys[:, :, -8:], ref.layers[1].keys[:, :, -8:])  # the window: exact
+    # a pending step (update called, attention not yet run) shows in keys and stays pending
+    new = torch.randn(2, 4, 3, 32)
+    kh, _ = got.update(new, new, 0)
+    assert got.layers[0].keys.shape == (2, 4, 43, 32) and got.layers[0].pending is not None
+    assert torch.equal(got.layers[0].keys[:, :, -3:], new)
+    with pytest.raises(AttributeError, match="read-only"):
+        got.layers[0].keys = new
+    assert QuantizedPagedLayer(QuantConfig()).keys is None  # before the first update, as a DynamicLayer's
+
+
+def test_values_of_another_head_dim_are_refused_clearly():
+    """DeepSeek-V3's multi-head latent attention caches 32-channel keys and 16-channel values: refused at the first
+    update, naming the shapes, with nothing stored."""
+    torch.manual_seed(0)
+    cfg = T.DeepseekV3Config(**dict(SMALL, num_key_value_heads=4), n_routed_experts=2, num_experts_per_tok=1,
+                             moe_intermediate_size=64, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+                             qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, n_group=1, topk_group=1)
+    model = T.DeepseekV3ForCausalLM(cfg).eval()
+    cache = QuantizedPagedCache()
+    with pytest.raises(ValueError, match=r"values have another head_dim than its keys"), torch.no_grad():
+        model(torch.randint(3, 128, (1, 8)), **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers)
+
+
+def test_falcon_alibi_matches_dynamic_cache():
+    """Falcon with ALiBi: from transformers 5.25 its bias is added into the attention mask handed to the sdpa
+    function (5.24 computed attention itself); the paged attention reads only padding from the mask."""
+    torch.manual_seed(0)
+    cfg = T.FalconConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         multi_query=True, alibi=True, new_decoder_architecture=False)
+    model = T.FalconForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ref_seq, ref_logits = _generate(model, ids, mask, DynamicCache())
+    seq, logits = _generate(model, ids, mask, QuantizedPagedCache(**NO_QUANT))
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_additive_bias_in_the_mask_takes_the_fallback(new):
+    """A floating 4-D mask holding values other than 0 and the masked-out minimum carries a bias (ALiBi, a user's
+    mask): the decode step and a chunk on a filled cache, which read only padding from the mask, take the
+    materialized fallback instead of dropping it."""
+    from models import tiny_llama
+
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 128, (2, 40), generator=gen)
+    nxt = torch.randint(1, 128, (2, new), generator=gen)
+    total = 40 + new
+    bias = -0.3 * (total - 1 - torch.arange(total, dtype=torch.float32))  # ALiBi-like: older keys weigh less
+    mask = bias.expand(2, 1, new, total).clone()
+    causal = torch.ones(new, total, dtype=torch.bool).tril(40)
+    mask[:, :, ~causal] = torch.finfo(torch.float32).min
+    mask[1, :, :, 5] = torch.finfo(torch.float32).min  # and a token hidden from the second sequence
+    logits = []
+    for cache in (DynamicCache(), QuantizedPagedCache(**NO_QUANT)):
+        with torch.no_grad():
+            model(ids, **cache_kwargs(model, cache))
+            out = model(nxt, attention_mask=mask, position_ids=torch.arange(40, total).expand(2, new),
+                        **cache_kwargs(model, cache))
+        logits.append(out.logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_fallback_layers_do_not_store_pads():
+    """Layers the hook leaves to the materialized fallback (here Mistral's sliding window) still see the padding
+    mask: a left-padded batch stores no pad tokens there either, so each sequence is quantized in the same groups
+    as alone (before, the fallback stored the pads, which shifted the sequence's key groups)."""
+    torch.manual_seed(0)
+    model = WINDOWED["mistral"]().eval()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    cache = QuantizedPagedCache(**PAGED)
+    _, logits = _generate(model, ids, mask, cache)
+    assert all(layer.pads == [0, 7] for layer in cache.layers)
+    alone = QuantizedPagedCache(**PAGED)
+    _, alone_logits = _generate(model, ids[1:, 7:], None, alone)
+    assert cache.layers[0].q_lens[1] == alone.layers[0].q_lens[0] > 0
+    torch.testing.assert_close(logits[1], alone_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_models_with_state_layers_are_refused_clearly():
+    """LFM2's convolution layers (and Mamba / linear-attention layers of Jamba, Qwen3-Next) keep state in the
+    cache through ``has_previous_state``/``update_conv_state``: without ``config=`` that was an IndexError inside
+    transformers' Cache; now a ValueError naming what is unsupported."""
+    torch.manual_seed(0)
+    cfg = T.Lfm2Config(**dict(SMALL, num_hidden_layers=4), layer_types=["conv", "full_attention"] * 2)
+    model = T.Lfm2ForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match="convolution or state-space layers"), torch.no_grad():
+        model.generate(torch.randint(3, 128, (1, 8)), **cache_kwargs(model, QuantizedPagedCache()), max_new_tokens=2)
+    with pytest.raises(ValueError, match="layer_types"):
+        QuantizedPagedCache(config=cfg)
+
+
+def test_a_window_longer_than_the_sequence_is_served_from_the_pages(monkeypatch):
+    """A sliding window changes nothing while the timeline is shorter than it (Mistral-7B-v0.1: 4096 tokens), so
+    such steps keep the paged attention; from the window's length on they take the fallback."""
+    torch.manual_seed(0)
+    model = WINDOWED["mistral"]().eval()  # window 16
+    calls = []
+    real = QuantizedPagedLayer.materialize
+    monkeypatch.setattr(QuantizedPagedLayer, "materialize", lambda self, *a: calls.append(self.seen) or real(self, *a))
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    ref_seq, ref_logits = _generate(model, ids, None, DynamicCache(), n=9)
+    seq, logits = _generate(model, ids, None, QuantizedPagedCache(**NO_QUANT), n=9)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
+    # 10 prompt tokens, then 8 decode steps storing tokens 11..18: the steps at 16, 17, 18 tokens take the fallback
+    assert sorted(set(calls)) == [16, 17, 18], calls
