@@ -29,6 +29,7 @@ import transformers as T  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kivi_cache import QuantizedPagedCache, cache_kwargs  # noqa: E402
+from kivi_cache.models import leading_agreement  # noqa: E402
 
 # head_dim 64 or 128 (the kernels' sizes), GQA where the family has it
 BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -51,15 +52,6 @@ SETTINGS = {
     "int8": dict(key_bits=8, value_bits=8, group_size=32, residual_length=32, sink_length=0),
     "int4": dict(key_bits=4, value_bits=4, group_size=32, residual_length=32, sink_length=0),
 }
-
-
-def leading(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def forced_logits(model, ids, mask, tokens, cache):
@@ -103,7 +95,7 @@ def run_family(name, args, dev):
         err = ((logits - ref_logits).abs().amax() / ref_logits.abs().amax()).item()
         rep = cache.memory_report()
         row[label] = {
-            "leading_agree": [leading(seq[i].tolist(), ref[i].tolist()) for i in range(seq.shape[0])],
+            "leading_agree": [leading_agreement(seq[i].tolist(), ref[i].tolist()) for i in range(seq.shape[0])],
             "max_rel_logit_err": err,
             "quantized_tokens": rep.quantized_tokens,
             "warnings": sorted({str(w.message)[:200] for w in caught if "kivi_cache" in str(w.message)}),
