@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 import triton
@@ -104,21 +105,14 @@ for shape in args.shapes.split(","):
         outs = {}
         for _ in range(args.rounds):
             for n, mod, env in impls:
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
                 try:
-                    a = decode_args(pool, q[:, :, 0], rk, rv, rl, kb, vb, g, 0.088)
-                    f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
-                    outs[n] = f().float()
-                    times[n].append(bench(f))
+                    with mock.patch.dict(os.environ, env):
+                        a = decode_args(pool, q[:, :, 0], rk, rv, rl, kb, vb, g, 0.088)
+                        f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
+                        outs[n] = f().float()
+                        times[n].append(bench(f))
                 except Exception as e:  # noqa: BLE001
                     print(f"{shape} k{kb}v{vb}g{g} {n}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
         ref = outs.get("cur")
         for n, _, env in impls:
             if not times[n]:

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import traceback
+from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)  # a GPU build, before kivi_cache.kernels is imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,20 +26,12 @@ SCRIPTS = {"decode": sass_decode.summary, "quantize": sass_quantize.summary}
 
 
 def run(job: dict) -> dict:
-    env = job.get("env", {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: str(v) for k, v in env.items()})
+    env = {k: str(v) for k, v in job.get("env", {}).items()}
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(sys.stderr):
             return {"result": SCRIPTS[job["script"]](list(job.get("args", [])))}
     except Exception:
         return {"error": traceback.format_exc()}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main():

@@ -60,10 +60,10 @@ def _pattern_served(module, kv_len: int, kwargs) -> bool:
     return window is None or kv_len < window
 
 
-def _served(module, query, kv_len, dropout, kwargs) -> bool:
+def _served(module, kv_len, dropout, kwargs) -> bool:
+    """Self-attention (the caller checks: causal, queries = the step's new tokens) that the paged kernels compute."""
     return (
         _pattern_served(module, kv_len, kwargs)
-        and getattr(module, "is_causal", True)
         and not dropout
         and kwargs.get("softcap") is None
         and kwargs.get("s_aux") is None
@@ -124,7 +124,7 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
     # causal self-attention: the queries are the step's new tokens. Cross-attention (new keys: the encoder's states)
     # is not, also where a module does not mark it with is_causal=False
     self_attention = step.key.shape[2] == query.shape[2] and getattr(module, "is_causal", True)
-    if (not self_attention or not _served(module, query, key.shape[-2], dropout, kwargs)
+    if (not self_attention or not _served(module, key.shape[-2], dropout, kwargs)
             or _mask_adds_bias(attention_mask)):
         # in self-attention the mask says which new tokens are pads: not stored, as on the served path.
         # Cross-attention stores every encoder token: its mask's padding (often on the right) must keep the
