@@ -5,8 +5,9 @@ prompts longer than the residual window (so pages and the Triton kernels are use
 ``DynamicCache``, ``Int8PagedCache``-like 8-bit (near lossless) and ``Int4PagedCache``-like 4-bit settings (small
 window, no sinks). Per family: leading tokens that agree with ``DynamicCache`` per sequence, the max relative error
 of the step logits (teacher-forced: every cache decodes the ``DynamicCache`` tokens), whether the decode kernel
-ran (``ops`` warns once when it falls back to the torch reference) and whether the hook served the layers from
-the pages or fell back (sliding windows longer than the sequence are served; shorter ones fall back).
+ran (``ops`` warns once when it falls back to the torch reference) and how often the hook fell back to the
+materialized history (``fallback_calls``: 0 where every layer is served, sliding windows included; the layers
+served with a window and the pages they released are counted too).
 
     python eval/families_gpu.py --out $OUT/families_gpu.json          # on the GPU (~1 minute)
     python eval/families_gpu.py --device cpu --new 4 --families llama  # CPU smoke run
@@ -29,6 +30,7 @@ import transformers as T  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kivi_cache import QuantizedPagedCache, cache_kwargs  # noqa: E402
+from kivi_cache.layer import QuantizedPagedLayer  # noqa: E402
 from kivi_cache.models import leading_agreement  # noqa: E402
 
 # head_dim 64 or 128 (the kernels' sizes), GQA where the family has it
@@ -47,6 +49,12 @@ FAMILIES = {
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=2048, rotary_pct=0.25, pad_token_id=0)),
     "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**BASE, sliding_window=4096)),
+    # windows shorter than the sequence, held by the module on some layers (config.layer_types)
+    "gemma3-window64": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        **dict(BASE, num_hidden_layers=3), head_dim=64, sliding_window=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "qwen2-window64": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**BASE, use_sliding_window=True, sliding_window=64,
+                                                               max_window_layers=1)),
 }
 SETTINGS = {
     "int8": dict(key_bits=8, value_bits=8, group_size=32, residual_length=32, sink_length=0),
@@ -84,13 +92,19 @@ def run_family(name, args, dev):
         ref = model.generate(ids, **cache_kwargs(model, DynamicCache()), **gen)[:, ids.shape[1]:]
     ref_logits = forced_logits(model, ids, mask, ref, DynamicCache())
     row = {"family": name, "type": type(model).__name__}
+    real = QuantizedPagedLayer.materialize
     for label, setting in SETTINGS.items():
+        calls = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with torch.no_grad():
                 seq = model.generate(ids, **cache_kwargs(model, QuantizedPagedCache(**setting)), **gen)
             cache = QuantizedPagedCache(**setting)
-            logits = forced_logits(model, ids, mask, ref, cache)
+            QuantizedPagedLayer.materialize = lambda self, *a, _c=calls: _c.append(1) or real(self, *a)
+            try:
+                logits = forced_logits(model, ids, mask, ref, cache)
+            finally:
+                QuantizedPagedLayer.materialize = real
         seq = seq[:, ids.shape[1]:]
         err = ((logits - ref_logits).abs().amax() / ref_logits.abs().amax()).item()
         rep = cache.memory_report()
@@ -98,10 +112,14 @@ def run_family(name, args, dev):
             "leading_agree": [leading_agreement(seq[i].tolist(), ref[i].tolist()) for i in range(seq.shape[0])],
             "max_rel_logit_err": err,
             "quantized_tokens": rep.quantized_tokens,
+            "fallback_calls": len(calls),
+            "sliding_layers": [layer.sliding_window for layer in cache.layers],
+            "hidden_pages": [sum(layer.hidden) for layer in cache.layers],
             "warnings": sorted({str(w.message)[:200] for w in caught if "kivi_cache" in str(w.message)}),
         }
     print(f"{name:18s} " + "  ".join(f"{k}: agree {row[k]['leading_agree']} / {args.new}, logit err "
-                                     f"{row[k]['max_rel_logit_err']:.2e}, {len(row[k]['warnings'])} warnings"
+                                     f"{row[k]['max_rel_logit_err']:.2e}, {len(row[k]['warnings'])} warnings, "
+                                     f"{row[k]['fallback_calls']} fallbacks"
                                      for k in SETTINGS), flush=True)
     return row
 

@@ -258,7 +258,7 @@ def _decode_split_kernel(
     rk_ptr, rv_ptr, rlen_ptr,
     m_ws, l_ws, o_ws,
     nk_ptr, nv_ptr, out_ptr, cnt_ptr,
-    qk_scale, Hkv, NS, RCH,
+    qk_scale, Hkv, NS, RCH, SWIN,
     s_qb, s_qh, s_btb,
     s_kcp, s_kch, s_ksp, s_ksh, s_ksg,
     s_vcp, s_vch, s_vsp, s_vsh,
@@ -273,6 +273,7 @@ def _decode_split_kernel(
     BM: tl.constexpr = 1,  # MERGE: next power of two of the programs per pair (NS + window chunks)
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
     SRCMIN: tl.constexpr = EXACT,  # codes read in place from this mantissa bit up (unpack.field; EXACT: top only)
+    SLIDING: tl.constexpr = 0,  # sliding-window attention: only the last SWIN stored tokens are seen
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -324,9 +325,18 @@ def _decode_split_kernel(
     if split < NS:
         length = tl.load(len_ptr + b).to(tl.int32)
         npg = tl.cdiv(length, P)
-        pps = tl.cdiv(npg, NS)
-        t0 = split * pps * P
+        if SLIDING:  # the splits share the pages from the first one holding a visible token
+            tstart = tl.maximum(length + tl.load(rlen_ptr + b).to(tl.int32) - SWIN, 0)
+            p0 = tl.minimum(tstart // P, npg)
+        else:
+            tstart = 0
+            p0 = 0
+        pps = tl.cdiv(npg - p0, NS)
+        t0 = (p0 + split * pps) * P
         t1 = tl.minimum(t0 + pps * P, length)
+        if SLIDING:  # from the step holding tstart (steps are page-aligned): no step has only hidden tokens;
+            t0 = tl.maximum(t0, tstart // BLOCK * BLOCK)
+            t1 = tl.where(tstart < t1, t1, t0)  # none at all where the window starts at or past the split's end
         kw_h = kw_ptr + h * s_kch
         ks_h = ks_ptr + h * s_ksh
         kz_h = kz_ptr + h * s_ksh
@@ -359,6 +369,8 @@ def _decode_split_kernel(
                     tvalid = tl.full([BLOCK], 1, tl.int1)  # constant: selects and load masks fold away
                 else:
                     tvalid = start + offs_t < t1  # the cache stores whole groups; the op accepts any length
+                if SLIDING:  # tokens before the sliding window: scores only (their values are stored, finite: weight 0)
+                    tvalid = tvalid & (start + offs_t >= tstart)
                 kw = tl.load(kw_h + page * s_kcp + tp[:, None] * (DK // 4) + wk[None, :])
                 srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
                 zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
@@ -489,6 +501,8 @@ def _decode_split_kernel(
                 tl.store(rk_b + (rlen - 1) * s_rkt + offs_d, nk.to(rk_ptr.dtype.element_ty))
                 tl.store(rv_b + (rlen - 1) * s_rvt + offs_d, nv.to(rv_ptr.dtype.element_ty))
             tl.debug_barrier()  # the stores before any thread's window loads (one CTA: bar.sync orders them)
+        if SLIDING:  # window slot j is stored token length + j: visible from slot rlen - SWIN on
+            lo = tl.maximum(lo, rlen - SWIN)
         q = tl.load(q_col + offs_d[:, None], mask=gmask[None, :], other=0.0).to(tl.float32).to(DT)
         for start in tl.range(lo, hi, BLOCK_R, num_stages=RSTAGES):
             tok = start + tl.arange(0, BLOCK_R)
@@ -776,7 +790,7 @@ class _DecodePlan:
                  "pairs", "counters")
 
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
-                 value_bits, group_size, num_splits, force_half_dot, plain, newkv=False):
+                 value_bits, group_size, num_splits, force_half_dot, plain, newkv=False, sliding_window=None):
         bsz, hq, d = q.shape
         _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
         np_, hkv, p, _ = k_codes.shape
@@ -809,7 +823,7 @@ class _DecodePlan:
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
                     num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
-                    **_srcmin())
+                    **_srcmin(), **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]
         rch = window_chunk(bsz * hkv, cap, blk_r, q.device)
@@ -818,6 +832,8 @@ class _DecodePlan:
             ns = num_splits
         else:
             width, resident = block_table.shape[1] * p, _RESIDENT.get(rkey, RESIDENT_DEFAULT)
+            if sliding_window:  # the pages a window spans
+                width = min(width, (triton.cdiv(sliding_window, p) + 1) * p)
             ns = _pick_splits(bsz, hkv, width, q.device, resident, chunks)
             if chunks > 1 and not os.environ.get("KIVI_DECODE_RCHUNK"):
                 ns1 = _pick_splits(bsz, hkv, width, q.device, resident, 1)
@@ -827,7 +843,8 @@ class _DecodePlan:
         self.grid = (bsz * hkv, ns + chunks)
         self.rows, self.nsp1, self.rkey = bsz * hq, ns + chunks, rkey
         # the split kernel's integer arguments: fixed by the key (its strides, head counts, splits, window chunk)
-        self.ints = (hkv, ns, rch, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0), kw.stride(1),
+        self.ints = (hkv, ns, rch, sliding_window or 0, q.stride(0), q.stride(1), block_table.stride(0), kw.stride(0),
+                     kw.stride(1),
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d)
@@ -867,7 +884,8 @@ def _check_new_token(new_k, new_v, q, res_k, res_v):
 
 
 def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
-              out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v):
+              out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v,
+              sliding_window=None):
     return (out.stride(), q.device, q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
             block_table.dtype, lengths.shape, lengths.dtype, res_lengths.shape, res_lengths.dtype, k_codes.shape,
             k_codes.stride(), k_codes.dtype, k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.shape,
@@ -875,7 +893,8 @@ def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scal
             v_scale.dtype, v_scale.storage_offset() % 2, v_zero.shape, v_zero.stride(), v_zero.dtype,
             v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype, res_v.shape, res_v.stride(),
             res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
-            None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env())
+            None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env(),
+            sliding_window)
 
 
 _SHARED_WS: dict = {}  # (device index, stream, floats) -> the workspace that DecodeRunners launching there share
@@ -936,8 +955,12 @@ def _reduce_args(plan, ws_m, ws_l, ws_o, out, hq: int) -> tuple:
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, num_splits: int | None = None, out=None, new_k=None, new_v=None,
-                           merge: bool = True, _force_half_dot: bool = False, _plain: bool = False):
+                           merge: bool = True, sliding_window: int | None = None, _force_half_dot: bool = False,
+                           _plain: bool = False):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
+
+    ``sliding_window``: attention over the last ``sliding_window`` stored tokens only (the splits share only the pages
+    holding them; the others are not read).
 
     ``new_k``/``new_v`` (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``): the step's own token, which the kernel writes into the
     window at ``res_lengths[b] - 1`` (the lengths already count it) before attending (the cache's decode step then
@@ -959,6 +982,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
+    _util.checks().check_sliding_window(sliding_window)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if new_k is not None:
@@ -980,14 +1004,15 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         raise ValueError("out must be [B, Hq, D] in q's dtype with a contiguous last dimension")
     key = _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
                     res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain, new_k,
-                    new_v)
+                    new_v, sliding_window)
     plan = _PLANS.get(key)
     if plan is None:  # shapes, dtypes and devices: once per key (their values below, where that needs no sync)
         pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
         _util.checks().check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
                                        group_size, values=False)
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
-                           value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None)
+                           value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None,
+                           sliding_window)
         if plan.final:
             if len(_PLANS) > 4096:  # shapes seen by a long-lived process: keep the cache bounded
                 _PLANS.clear()
@@ -1038,9 +1063,11 @@ class DecodeRunner:
     """
 
     def __init__(self, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
-                 key_bits: int, value_bits: int, group_size: int):
+                 key_bits: int, value_bits: int, group_size: int, sliding_window: int | None = None):
+        _util.checks().check_sliding_window(sliding_window)
         self.fixed = (block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v)
         self.bits = (key_bits, value_bits, group_size)
+        self.sliding_window = sliding_window
         # the first runs' launches, one with and one without the step's token (the cache's decode steps pass it, its
         # flush steps do not: one template would be replaced, with an ordinary call, twice per flush)
         self._ready: dict[bool, _Ready] = {}
@@ -1055,7 +1082,7 @@ class DecodeRunner:
                 return out
         bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
         out = paged_decode_attention(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, res_lengths, *self.bits, sm_scale,
-                                     new_k=new_k, new_v=new_v)
+                                     new_k=new_k, new_v=new_v, sliding_window=self.sliding_window)
         r = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out)
         if r is None:
             self._ready.pop(new_k is None, None)
@@ -1111,7 +1138,8 @@ class DecodeRunner:
         contiguous = (q, bt, ql, rk, rv, rl) + (() if new_k is None else (nk3, nv3))
         if any(t.stride(-1) != 1 for t in contiguous) or index != torch.cuda.current_device():
             return None  # the ordinary call made contiguous copies: nothing to repeat
-        key = _plan_key(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, out, *self.bits, None, False, False, nk3, nv3)
+        key = _plan_key(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, out, *self.bits, None, False, False, nk3, nv3,
+                        self.sliding_window)
         plan = _PLANS.get(key)
         if plan is None or not plan.final or q.shape[0] == 0 or q.shape[1] == 0:
             return None
@@ -1156,7 +1184,8 @@ PREFIX_SLICE_BYTES = 512 << 20  # working set of one batch slice of the prefix p
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
-                           group_size: int, sm_scale: float, *, batch_slice: int | None = None):
+                           group_size: int, sm_scale: float, *, batch_slice: int | None = None,
+                           sliding_window: int | None = None):
     """Triton-assisted twin of :func:`kivi_cache.reference.paged_prefix_attention` (several query tokens
     per sequence over the quantized past: chunked prefill, continued generation, assisted decoding).
 
@@ -1166,9 +1195,10 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     in memory) runs over it with the query heads of each KV head stacked along the query axis
     (grouped-query attention without repeating keys). Slices hold at most ``PREFIX_SLICE_BYTES``
     (512 MiB) of keys, values and mask; ``batch_slice`` fixes the sequences per slice instead.
-    One device sync (``lengths.max()``).
+    One device sync (``lengths.max()``). ``sliding_window``: as in the reference.
     """
     chk = _util.checks()
+    chk.check_sliding_window(sliding_window)
     chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
                         res_lengths, key_bits, value_bits, group_size)
     chk.check_prefix_chunk(q, new_k, new_v, new_mask)
@@ -1205,7 +1235,13 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         v[:, :, t_max + c:s_len] = new_v[sl]
         hist = pos[None, :] < lengths[sl].long()[:, None]
         hist |= ((pos[None, :] >= t_max) & (pos[None, :] < t_max + res_lengths[sl].long()[:, None]))
-        mask = hist[:, None, :].expand(n, ql, s_pad).clone()
+        if sliding_window is None:
+            mask = hist[:, None, :].expand(n, ql, s_pad).clone()
+        else:  # stored token index of each key (pages, then the window) against each query's (after them)
+            index = torch.where(pos[None, :] < t_max, pos[None, :], lengths[sl].long()[:, None] + pos[None, :] - t_max)
+            first = lengths[sl].long() + res_lengths[sl].long()
+            queries = first[:, None] + torch.arange(ql, device=q.device)[None, :]
+            mask = hist[:, None, :] & (queries[:, :, None] - index[:, None, :] < sliding_window)
         mask[:, :, t_max + c:s_len] = new_mask[sl]
         mask[:, :, 0] |= ~mask.any(-1)  # a query with nothing to attend to (padding): defined, ignored output
         mask = mask[:, None].expand(n, grp, ql, s_pad).reshape(n, 1, grp * ql, s_pad)

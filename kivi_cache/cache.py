@@ -12,19 +12,22 @@ from .layer import QuantizedPagedLayer
 from .memory import MemoryReport
 
 
-def _check_model_config(config) -> None:
-    """Refuse model configurations whose attention the cache would get wrong."""
+def _check_model_config(config, sliding: bool = True, name: str = "QuantizedPagedCache") -> None:
+    """Refuse model configurations whose attention the cache would get wrong (``sliding=False``: also sliding
+    windows, for the static cache)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None) or []
-    unsupported = sorted({t for t in layer_types if t != "full_attention"})
+    allowed = ("full_attention", "sliding_attention") if sliding else ("full_attention",)
+    unsupported = sorted({t for t in layer_types if t not in allowed})
     if unsupported:
         raise ValueError(
-            f"QuantizedPagedCache supports models whose layers are all 'full_attention'; this config has "
+            f"{name} supports models whose layers are {' or '.join(repr(a) for a in allowed)}; this config has "
             f"layer_types {unsupported}. Use transformers' DynamicCache for this model.")
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and not layer_types:
+    if (not sliding and getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+            and not layer_types):
         raise ValueError(
-            f"QuantizedPagedCache does not support sliding-window attention (sliding_window="
-            f"{text.sliding_window}); use transformers' DynamicCache for this model.")
+            f"{name} does not support sliding-window attention (sliding_window={text.sliding_window}); use "
+            f"QuantizedPagedCache or transformers' DynamicCache for this model.")
 
 
 class QuantizedPagedCache(Cache):
@@ -42,7 +45,8 @@ class QuantizedPagedCache(Cache):
         num_pages: pages to preallocate per layer (0: grow on demand, by at least 1/8 of the pool, and
             exactly what a prefill needs).
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
-        config: optional model config, checked up front for unsupported attention (sliding windows).
+        config: optional model config, checked up front for attention the cache does not support (layer types
+            other than full and sliding-window attention, e.g. chunked attention or state-space layers).
         max_batch_size, max_cache_len: give both to preallocate exactly the pages ``max_batch_size``
             sequences of up to ``max_cache_len`` tokens (prompt + new) need (instead of ``num_pages``):
             what to do under a memory limit, as for transformers' ``StaticCache``. Longer or more

@@ -161,6 +161,14 @@ def check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, ke
                  res_lengths=res_lengths)
 
 
+def check_sliding_window(sliding_window) -> None:
+    """The attention ops' ``sliding_window``: None (every stored token visible) or an int >= 1."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1 (a query sees the last sliding_window "
+                         f"positions, its own included), got {sliding_window!r}")
+
+
 def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
     """The by-value part of :func:`check_attention` (where :func:`values_checked`)."""
     table_values(block_table, lengths, k_codes.shape[0], k_codes.shape[2])

@@ -4,14 +4,17 @@ On import, kivi_cache wraps transformers' ``"sdpa"`` attention function and
 registers a named implementation ``"kivi"`` (with the sdpa mask function).
 The wrapper is a pass-through unless the keys it receives came from a
 ``QuantizedPagedCache`` (a :class:`~kivi_cache.lazy.KVHandle`); then it
-computes attention from the pages and the residual window. Cases it does not
-serve (sliding windows, soft-capping, attention sinks, dropout, attention
-weights) get the materialized full-precision history and the original
-function: slower, never wrong. A sliding window counts (once the sequence
-is as long as the window) whether the module holds it (Gemma) or passes it to
-the attention function (Mistral, Phi3, Starcoder2); so does any layer whose
-``config.layer_types`` entry is neither full nor sliding attention (Llama 4's
-chunked attention), and a floating mask that carries an additive bias (ALiBi).
+computes attention from the pages and the residual window. A sliding window,
+whether the module holds it (Gemma, Qwen2) or passes it to the attention
+function (Mistral, Phi3, Starcoder2), is served too: the layer keeps no
+attention-sink tokens then and the kernels read only the pages the window
+covers. Cases it does not serve (soft-capping, learned attention sinks,
+dropout, attention weights, a layer whose ``config.layer_types`` entry is
+neither full nor sliding attention such as Llama 4's chunked attention, a
+floating mask that carries an additive bias such as ALiBi, a sliding window on
+a layer already holding sink tokens once the sequence reaches the window) get
+the materialized full-precision history and the original function: slower,
+never wrong.
 Any other implementation (``eager``, flash) materializes through the handle
 the same way. Attention over a handle is
 host bookkeeping that ``torch.compile`` must not trace: it is
@@ -46,25 +49,27 @@ def _layer_type(module) -> str | None:
     return layer_types[idx]
 
 
-def _pattern_served(module, kv_len: int, kwargs) -> bool:
-    """The layer's attention is plain causal over the ``kv_len`` tokens of the timeline. A sliding window, held by
-    the module (Gemma, Qwen2) or passed as an argument (Mistral, Mixtral, Phi3, Starcoder2), hides a key from a
-    query once they are ``window`` positions apart (transformers' ``sliding_window_overlay``: visible while
-    ``q - k < window``): a shorter timeline is unaffected and served from the pages; a longer one is not."""
+def _pattern(module, kwargs) -> tuple[bool, int | None]:
+    """Whether the layer's pattern is one the paged attention computes, and its sliding window (None: none): plain
+    causal, or causal within a window held by the module (Gemma, Qwen2) or passed as an argument (Mistral, Mixtral,
+    Phi3, Starcoder2), which hides a key from a query once they are ``window`` positions apart (transformers'
+    ``sliding_window_overlay``: visible while ``q - k < window``)."""
     window = getattr(module, "sliding_window", None)
     if window is None:
         window = kwargs.get("sliding_window")
     layer_type = _layer_type(module)
     if layer_type not in (None, "full_attention") and not (layer_type == "sliding_attention" and window is not None):
-        return False  # chunked attention and anything else that only the mask describes
-    return window is None or kv_len < window
+        return False, None  # chunked attention and anything else that only the mask describes
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        return False, None  # not a window size we know how to read
+    return True, window
 
 
-def _served(module, kv_len, dropout, kwargs) -> bool:
-    """Self-attention (the caller checks: causal, queries = the step's new tokens) that the paged kernels compute."""
+def _served(dropout, kwargs) -> bool:
+    """Self-attention (the caller checks: causal, queries = the step's new tokens, the pattern) that the paged
+    kernels compute."""
     return (
-        _pattern_served(module, kv_len, kwargs)
-        and not dropout
+        not dropout
         and kwargs.get("softcap") is None
         and kwargs.get("s_aux") is None
         and kwargs.get("sinks") is None
@@ -124,8 +129,12 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
     # causal self-attention: the queries are the step's new tokens. Cross-attention (new keys: the encoder's states)
     # is not, also where a module does not mark it with is_causal=False
     self_attention = step.key.shape[2] == query.shape[2] and getattr(module, "is_causal", True)
-    if (not self_attention or not _served(module, key.shape[-2], dropout, kwargs)
-            or _mask_adds_bias(attention_mask)):
+    served, window = _pattern(module, kwargs) if self_attention else (False, None)
+    if served and window is not None and not step.layer.use_sliding_window(window):
+        # a layer that already holds sink tokens (the window was not known before it stored them): a shorter
+        # timeline than the window is unaffected by it and read from the pages; a longer one takes the fallback
+        served, window = key.shape[-2] < window, None
+    if not served or not _served(dropout, kwargs) or _mask_adds_bias(attention_mask):
         # in self-attention the mask says which new tokens are pads: not stored, as on the served path.
         # Cross-attention stores every encoder token: its mask's padding (often on the right) must keep the
         # positions the mask was built for
@@ -134,7 +143,8 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
                               dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = step.layer.attend(step, query, attention_mask, scaling, _original_sdpa, module, **kwargs)
+    out = step.layer.attend(step, query, attention_mask, scaling, _original_sdpa, module, window=window,
+                            **kwargs)
     return out, None
 
 

@@ -9,7 +9,9 @@ State per sequence ``b``:
   (always a multiple of ``group_size``);
 * ``r_lens[b]`` tokens in full precision in ``res_k/res_v[b]``: first the sequence's
   ``sinks[b]`` attention-sink tokens (its first ``sink_length`` tokens, kept for good),
-  then the newest tokens (the residual window proper).
+  then the newest tokens (the residual window proper);
+* ``hidden[b]``: leading entries of ``tables[b]`` whose pages were released (a sliding-window
+  layer: no query can see their tokens again); they point at the pool's zero page.
 
 ``seen`` is the virtual length (what ``get_seq_length`` reports and the masks
 are built for): ``seen == pads[b] + q_lens[b] + r_lens[b]`` for every b.
@@ -23,6 +25,7 @@ is thus attended in full precision, as in KIVI.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 
@@ -50,7 +53,24 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.cfg = cfg
         self._bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         self.pool: PagePool | None = None
+        # the model layer's sliding window (None: full attention), learned from the attention hook
+        # (use_sliding_window); the layer then keeps no sink tokens
+        self.sliding_window: int | None = None
         self._clear_sequences()
+
+    def use_sliding_window(self, window: int) -> bool:
+        """Serve this layer as sliding-window attention of ``window`` positions (its module says so at every step).
+        A layer that holds no sink tokens can (the first time: before it stores anything, its sink setting is
+        dropped: sinks are the sequence's first tokens, which the window hides); one that already holds some
+        cannot, nor one told another window before (False)."""
+        if self.sliding_window is not None:
+            return self.sliding_window == window
+        if self.cfg.sink_length:
+            if any(self.sinks) or any(self.q_lens) or any(self.r_lens):
+                return False
+            self.cfg = dataclasses.replace(self.cfg, sink_length=0)
+        self.sliding_window = window
+        return True
 
     # ------------------------------------------------------------------ state
     def _clear_sequences(self) -> None:
@@ -60,6 +80,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.r_lens: list[int] = []
         self.pads: list[int] = []
         self.sinks: list[int] = []
+        self.hidden: list[int] = []
         self.seen = 0
         self.res_k = self.res_v = None
         self.pending: PendingStep | None = None
@@ -93,6 +114,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.r_lens = [0] * b
         self.pads = [0] * b
         self.sinks = [0] * b
+        self.hidden = [0] * b
         cap = self.cfg.sink_length + self.cfg.residual_length + self.cfg.group_size
         self.res_k = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)
         self.res_v = torch.zeros_like(self.res_k)
@@ -178,7 +200,43 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if valid is None and k.shape[2] == 1:
             return self._append_one(k, v, defer_write)
         self._append_chunk(k, v, valid)
+        if self.sliding_window is not None:
+            self._release_hidden_pages()
         return False
+
+    # ------------------------------------------------------- sliding window: pages no query can see again
+    def _hidden_prefix(self, q: int, c: int, r: int) -> int:
+        """Of ``c`` tokens about to be quantized after a sequence's ``q`` (page-aligned), leaving ``r`` in the window:
+        how many (whole pages) no query will see, so need not be written (a long prompt on a sliding-window layer)."""
+        w, p = self.sliding_window, self.cfg.page_size
+        if w is None or q % p:
+            return 0
+        dead = min(q + c, q + c + r - w) // p * p
+        return max(0, dead - q)
+
+    def _skip_hidden(self, i: int, skip: int) -> None:
+        """Sequence ``i``'s next ``skip`` quantized tokens (whole pages) are not stored: zero-page entries."""
+        self.tables[i].extend([self.pool.zero_page()] * (skip // self.cfg.page_size))
+        self.q_lens[i] += skip
+
+    def _release_hidden_pages(self) -> None:
+        """Release the whole pages of a sliding-window layer that every later query's window starts after: the
+        current query (the newest stored token, index ``n - 1``) sees indices ``>= n - window``, later ones more
+        recent. Their entries then point at the pool's zero page."""
+        w, p, pool = self.sliding_window, self.cfg.page_size, self.pool
+        changed = False
+        for i in range(self.batch_size):
+            q = self.q_lens[i]
+            dead = max(0, min(q, q + self.r_lens[i] - w)) // p
+            h = self.hidden[i]
+            if dead > h:
+                table, zero = self.tables[i], pool.zero_page()
+                pool.release([page for page in table[h:dead] if page != zero])
+                table[h:dead] = [zero] * (dead - h)
+                self.hidden[i] = dead
+                changed = True
+        if changed:
+            self._dev = None
 
     def _append_one(self, k, v, defer_write: bool = False) -> bool:
         r = self.r_lens
@@ -203,6 +261,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 self._dev[2].add_(1)
         if full:
             self._flush_residual(full)
+            if self.sliding_window is not None:
+                self._release_hidden_pages()
         return deferred
 
     def _window_write(self, k, v, equal: bool) -> None:
@@ -299,7 +359,13 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if valid is None and self._uniform():  # the whole batch at once (a prompt or chunk without padding)
             s, r, groups = self._window_append(slice(None), self.r_lens[0], k, v)
             if groups is not None:
-                self._write_batch(*groups)
+                skip = self._hidden_prefix(self.q_lens[0], groups[0].shape[-2], r)
+                if skip:
+                    for i in range(self.batch_size):
+                        self._skip_hidden(i, skip)
+                    groups = (groups[0][..., skip:, :], groups[1][..., skip:, :])
+                if groups[0].shape[-2]:
+                    self._write_batch(*groups)
             self.sinks = [s] * self.batch_size
             self.r_lens = [r] * self.batch_size
             self._dev = None
@@ -314,7 +380,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self.pads[i] += n_new - nk.shape[1]
             self.sinks[i], self.r_lens[i], groups = self._window_append(i, self.r_lens[i], nk, nv)
             if groups is not None:
-                items.append((i, *groups))
+                skip = self._hidden_prefix(self.q_lens[i], groups[0].shape[-2], self.r_lens[i])
+                if skip:
+                    self._skip_hidden(i, skip)
+                    groups = (groups[0][..., skip:, :], groups[1][..., skip:, :])
+                if groups[0].shape[-2]:
+                    items.append((i, *groups))
         self._write_groups(items)
         self._dev = None
 
@@ -428,8 +499,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     # -------------------------------------------------------------- attention
     def attend(self, step: PendingStep, query: torch.Tensor, attention_mask, scaling: float, sdpa_fn, module,
-               **kwargs) -> torch.Tensor:
-        """Attention for the step's queries ``[B, Hq, L, D]``; returns ``[B, L, Hq, D]``."""
+               window: int | None = None, **kwargs) -> torch.Tensor:
+        """Attention for the step's queries ``[B, Hq, L, D]``; returns ``[B, L, Hq, D]``. ``window``: the layer's
+        sliding window (the hook passes it once :meth:`use_sliding_window` accepted it)."""
         n = query.shape[2]
         valid = _valid_tokens(attention_mask, n, self.batch_size)
         bits = self._bits
@@ -438,10 +510,11 @@ class QuantizedPagedLayer(CacheLayerMixin):
             bt, ql, rl = self._device_state()
             pool = self.pool
             run = pool.decode_runner  # plan once, run every step until the block table or window is replaced
-            if run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k:
+            if (run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k
+                    or run.sliding_window != window):
                 # KIVI_DECODE_RUNNER=0 (direct=False): the op's ordinary call every step (for A/B runs)
                 run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k, res_v=self.res_v,
-                                                            direct=DECODE_RUNNER, **bits)
+                                                            direct=DECODE_RUNNER, sliding_window=window, **bits)
             if deferred:
                 return run(query.select(2, 0), rl, scaling, step.key, step.value).unsqueeze(1)
             return run(query.select(2, 0), rl, scaling).unsqueeze(1)
@@ -454,8 +527,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
         bt, ql, rl = self._device_state()
         out = ops.paged_prefix_attention(
             query, bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
-            new_k=step.key, new_v=step.value, sm_scale=scaling, **bits,
-            new_mask=_chunk_visibility(attention_mask, n, self.batch_size, query.device))
+            new_k=step.key, new_v=step.value, sm_scale=scaling, sliding_window=window, **bits,
+            new_mask=_chunk_visibility(attention_mask, n, self.batch_size, query.device, window))
         self.commit(step, valid)
         return out.transpose(1, 2)
 
@@ -566,6 +639,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.r_lens = [self.r_lens[i] for i in index]
         self.pads = [self.pads[i] for i in index]
         self.sinks = [self.sinks[i] for i in index]
+        self.hidden = [self.hidden[i] for i in index]
         rows = torch.tensor(index, dtype=torch.long, device=self.device)
         self.res_k = self.res_k.index_select(0, rows)
         self.res_v = self.res_v.index_select(0, rows)
@@ -599,6 +673,14 @@ class QuantizedPagedLayer(CacheLayerMixin):
             return
         cfg = self.cfg
         g, p = cfg.group_size, cfg.page_size
+        w = self.sliding_window
+        for i in range(self.batch_size):  # checked before anything changes
+            kept = self.q_lens[i] + self.r_lens[i] - min(remove, self.q_lens[i] + self.r_lens[i])
+            if self.hidden[i] and self.hidden[i] * p > kept - w:
+                raise ValueError(
+                    f"crop({tokens_to_remove}) would bring tokens back into the sliding window ({w}) of a layer that "
+                    f"released their pages (sequence {i}: {self.hidden[i] * p} released, {kept} would stay); "
+                    f"crop by at most {self.q_lens[i] + self.r_lens[i] - self.hidden[i] * p - w} tokens here")
         for i in range(self.batch_size):
             q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
             drop = min(remove, q + r)  # newest first: window tokens, then pages, then sinks
@@ -643,10 +725,11 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _held_page_tokens(self) -> int:
         """Quantized tokens the pages hold: a page shared by several sequences (beams) counted once, by its
         fullest sequence."""
-        p, held = self.cfg.page_size, {}
+        p, held, zero = self.cfg.page_size, {}, self.pool.zero
         for table, q in zip(self.tables, self.q_lens, strict=True):
             for j, page in enumerate(table):
-                held[page] = max(held.get(page, 0), min(p, max(0, q - j * p)))
+                if page != zero:
+                    held[page] = max(held.get(page, 0), min(p, max(0, q - j * p)))
         return sum(held.values())
 
     def memory_stats(self) -> dict:
@@ -654,7 +737,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
             return {}
         c, h, d = self.cfg, self.num_heads, self.head_dim
         per_page = self.pool.page_nbytes()
-        live_q = sum(self.q_lens)
+        # quantized tokens still held (a sliding-window layer's released ones are not: they count nowhere)
+        live_q = sum(self.q_lens) - sum(self.hidden) * c.page_size
         frac = self._held_page_tokens() / c.page_size
         elem = torch.empty((), dtype=self.dtype).element_size()
         live_r = sum(self.r_lens)
@@ -729,11 +813,14 @@ def _valid_tokens(mask, n: int, batch: int):
     return valid
 
 
-def _chunk_visibility(mask, n: int, batch: int, device):
-    """The chunk-internal visibility ``[B, n, n]`` (True = may attend): causal without a mask. Only a chunk of
-    several tokens on a filled cache needs it (``paged_prefix_attention``)."""
+def _chunk_visibility(mask, n: int, batch: int, device, window: int | None = None):
+    """The chunk-internal visibility ``[B, n, n]`` (True = may attend): causal (within ``window`` positions) without
+    a mask. Only a chunk of several tokens on a filled cache needs it (``paged_prefix_attention``)."""
     if mask is None:
-        return torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch, n, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        if window is not None:
+            causal = causal.triu(1 - window)
+        return causal.expand(batch, n, n)
     m = mask[:, 0, -n:, -n:]
     m = m if mask.dtype == torch.bool else m > torch.finfo(mask.dtype).min / 2
     return m.expand(batch, n, n)

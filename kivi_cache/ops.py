@@ -111,19 +111,24 @@ def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_si
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
-                           group_size, sm_scale, new_k=None, new_v=None, merge=True):
+                           group_size, sm_scale, new_k=None, new_v=None, merge=True, sliding_window=None):
     """``new_k``/``new_v``: the step's token, written into the window (at ``res_lengths - 1``) by the op itself.
     ``merge=False``: the kernels never merge partials in the split kernel (which keeps arrival counts allocated
-    by its first call): for a compiled step whose CUDA graphs own every allocation it makes."""
+    by its first call): for a compiled step whose CUDA graphs own every allocation it makes. ``sliding_window``:
+    attention over the last ``sliding_window`` stored tokens only (see
+    :func:`kivi_cache.reference.paged_decode_attention`)."""
     extra = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
+    if sliding_window is not None:
+        extra["sliding_window"] = sliding_window
     return _call("paged_decode_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
                  res_lengths, key_bits, value_bits, group_size, sm_scale, merge=merge, **extra)
 
 
 def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
-                           key_bits, value_bits, group_size, sm_scale):
+                           key_bits, value_bits, group_size, sm_scale, sliding_window=None):
+    extra = {} if sliding_window is None else dict(sliding_window=sliding_window)
     return _call("paged_prefix_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
-                 res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale)
+                 res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale, **extra)
 
 
 class DecodeRunner:
@@ -135,8 +140,9 @@ class DecodeRunner:
     Build a new one when the state's tensors are replaced."""
 
     def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size,
-                 direct: bool = True):
+                 direct: bool = True, sliding_window: int | None = None):
         self.block_table, self.lengths, self.pool, self.res_k, self.res_v = block_table, lengths, pool, res_k, res_v
+        self.sliding_window = sliding_window
         self.bits = dict(key_bits=key_bits, value_bits=value_bits, group_size=group_size)
         dev = block_table.device
         self.index = dev.index if dev.type == "cuda" else None
@@ -144,7 +150,7 @@ class DecodeRunner:
         self.kernel = None
         if direct and mod is not reference and self.index is not None:
             self.kernel = mod.DecodeRunner(block_table, lengths, *pool, res_k, res_v, key_bits, value_bits,
-                                           group_size)
+                                           group_size, sliding_window=sliding_window)
 
     def __call__(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None):
         k = self.kernel
@@ -157,4 +163,5 @@ class DecodeRunner:
                 self.kernel = None
         new = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
         return paged_decode_attention(q, self.block_table, self.lengths, *self.pool, res_k=self.res_k,
-                                      res_v=self.res_v, res_lengths=res_lengths, sm_scale=sm_scale, **self.bits, **new)
+                                      res_v=self.res_v, res_lengths=res_lengths, sm_scale=sm_scale,
+                                      sliding_window=self.sliding_window, **self.bits, **new)

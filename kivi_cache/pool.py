@@ -26,6 +26,7 @@ class PagePool:
         self.decode_runner = None  # the owning layer's ops.DecodeRunner over these tensors (dropped when they grow)
         self.refcount: list[int] = []
         self.free: list[int] = []
+        self.zero: int | None = None  # the page of zeros (zero_page), once a table needs it
         self.tensors = {name: torch.zeros((0, *shape), dtype=dt, device=device)
                         for name, (shape, dt) in self._page_shapes().items()}
         self._grow(cfg.num_pages)
@@ -103,6 +104,17 @@ class PagePool:
             t[fresh].copy_(t[page])
         self.release([page])
         return fresh
+
+    def zero_page(self) -> int:
+        """A page of zeros (codes, scales and zero points: it dequantizes to 0) that the table entries of released
+        tokens point at (a sliding-window layer's tokens no query can see again), so that every reader of a table
+        (dequantization, the prefix path, the materialized fallback) stays in bounds. Never written, never freed."""
+        if self.zero is None:
+            self.zero = self.allocate()
+            for t in self.tensors.values():
+                t[self.zero].zero_()
+            self.refcount[self.zero] = 1 << 62  # share/release leave it in use
+        return self.zero
 
     @property
     def pages_in_use(self) -> int:

@@ -184,12 +184,23 @@ def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v
     pos = torch.arange(t + c, device=res_k.device)
     valid = torch.where(pos[None, :] < t, pos[None, :] < lengths[:, None].long(),
                         (pos[None, :] - t) < res_lengths[:, None].long())
-    return k, v, valid  # valid [B, S]
+    # each key's index among the sequence's stored tokens: pages first, then the window
+    index = torch.where(pos[None, :] < t, pos[None, :], lengths[:, None].long() + pos[None, :] - t)
+    return k, v, valid, index  # [B, S] each
+
+
+def _in_window(index, query_index, window):
+    """[B, L, S] bool: stored token ``index`` [B, S] is within ``window`` positions of query ``query_index`` [B, L]
+    (visible while ``query - key < window``, transformers' sliding-window rule); everything for ``window=None``."""
+    if window is None:
+        return torch.ones(index.shape[0], query_index.shape[1], index.shape[1], dtype=torch.bool, device=index.device)
+    return query_index[:, :, None] - index[:, None, :] < window
 
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float, new_k=None, new_v=None, merge: bool = True):
+                           sm_scale: float, new_k=None, new_v=None, merge: bool = True,
+                           sliding_window: int | None = None):
     """One query token per sequence over its quantized pages and residual window.
 
     q: ``[B, Hq, D]``; res_k/res_v: ``[B, Hkv, C, D]`` full precision with
@@ -197,10 +208,14 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     ``new_k``/``new_v`` (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``, optional): the step's own token, written into the
     window at ``res_lengths[b] - 1`` (in place; the lengths already count it) before attending.
     ``merge`` (the kernels' choice of where partial results are merged) changes nothing here.
+    ``sliding_window``: the query, the sequence's newest stored token (index ``n - 1`` of its ``n = lengths +
+    res_lengths`` stored tokens, pages first, then the window), sees only the last ``sliding_window`` of them
+    (indices ``>= n - sliding_window``); None: all. Pages wholly before that are never read.
     Returns ``[B, Hq, D]`` in q's dtype.
     """
     checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
                            res_v, res_lengths, key_bits, value_bits, group_size)
+    checks.check_sliding_window(sliding_window)
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     if new_k is not None:
@@ -210,29 +225,35 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         last = res_lengths.long()[rows] - 1
         res_k[rows, :, last] = new_k[rows].to(res_k.dtype)
         res_v[rows, :, last] = new_v[rows].to(res_v.dtype)
-    k, v, valid = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                           res_k, res_v, res_lengths, key_bits, value_bits, group_size)
-    out = _attend(q[:, :, None], k, v, valid[:, None], sm_scale)
+    k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                  res_k, res_v, res_lengths, key_bits, value_bits, group_size)
+    newest = (lengths.long() + res_lengths.long() - 1)[:, None]
+    out = _attend(q[:, :, None], k, v, valid[:, None] & _in_window(index, newest, sliding_window), sm_scale)
     return out[:, :, 0].to(q.dtype)
 
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
-                           group_size: int, sm_scale: float):
+                           group_size: int, sm_scale: float, sliding_window: int | None = None):
     """Several query tokens over a quantized past plus their own (full precision) chunk.
 
     q: ``[B, Hq, L, D]``; new_k/new_v: ``[B, Hkv, L, D]``; new_mask: ``[B, L, L]``
-    bool, True where query i may attend to new token j (causal and padding).
-    Every stored token (pages and residual) is visible to every query.
+    bool, True where query i may attend to new token j (causal and padding; a sliding window among the new
+    tokens is the mask's to apply). Every stored token (pages and residual) is visible to every query, or with
+    ``sliding_window`` only those within ``sliding_window`` positions of it (query i is stored token
+    ``lengths + res_lengths + i``).
     Returns ``[B, Hq, L, D]`` in q's dtype.
     """
     checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
                            res_v, res_lengths, key_bits, value_bits, group_size)
     checks.check_prefix_chunk(q, new_k, new_v, new_mask)
-    k, v, valid = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                           res_k, res_v, res_lengths, key_bits, value_bits, group_size)
+    checks.check_sliding_window(sliding_window)
+    k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                  res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     ql = q.shape[2]
     k = torch.cat([k, new_k.to(k.dtype)], dim=2)
     v = torch.cat([v, new_v.to(v.dtype)], dim=2)
-    valid = torch.cat([valid[:, None, :].expand(-1, ql, -1), new_mask], dim=2)
+    first = (lengths.long() + res_lengths.long())[:, None]
+    queries = first + torch.arange(ql, device=q.device)[None, :]
+    valid = torch.cat([valid[:, None, :] & _in_window(index, queries, sliding_window), new_mask], dim=2)
     return _attend(q, k, v, valid, sm_scale).to(q.dtype)

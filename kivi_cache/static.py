@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from . import hook, ops
-from .cache import INT4_PRESET, QuantizedPagedCache
+from .cache import INT4_PRESET, QuantizedPagedCache, _check_model_config
 from .config import _check_int
 from .layer import QuantizedPagedLayer, query_len
 
@@ -275,6 +275,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
 
     def __init__(self, model, max_cache_len: int, **quant):
         _check_int("max_cache_len", max_cache_len, 1)
+        _check_model_config(model.config, sliding=False, name=type(self).__name__)  # its step reads every page
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if not getattr(model, "_supports_attention_backend", False):

@@ -114,3 +114,15 @@ def test_quick_outputs_are_git_ignored(git_checkout, bench_kernels, bench_genera
     recorded = [bench_kernels.parse_args([]).out, bench_generate.parse_args([]).out, perplexity.parse_args([]).out,
                 *needle.output_paths(needle.parse_args([]))]
     assert [p for p in recorded if _ignored(p)] == []
+
+
+def test_bench_sliding_quick_run(tmp_path):
+    """The sliding-window benchmark end to end on a tiny model: the windowed kernel matches the reference, and every
+    cache generates the same greedy tokens (window 40, prompt 120)."""
+    from eval import bench_sliding
+
+    res = bench_sliding.main(["--quick", "--out", str(tmp_path / "s.json")])
+    assert all(row["rel_err_window"] < 1e-2 for row in res["kernels"])
+    rows = {row["cache"]: row for row in res["generate"]}
+    assert rows["kivi-int4"]["sliding_layers"] == 2 and rows["kivi-int4-fallback"]["sliding_layers"] == 0
+    assert all(row["agree_with_fp16"] == 6 for row in rows.values())

@@ -243,11 +243,11 @@ def test_additive_bias_in_the_mask_takes_the_fallback(new):
 
 
 def test_fallback_layers_do_not_store_pads():
-    """Layers the hook leaves to the materialized fallback (here Mistral's sliding window) still see the padding
+    """Layers the hook leaves to the materialized fallback (here Llama 4's chunked attention) still see the padding
     mask: a left-padded batch stores no pad tokens there either, so each sequence is quantized in the same groups
     as alone (before, the fallback stored the pads, which shifted the sequence's key groups)."""
     torch.manual_seed(0)
-    model = WINDOWED["mistral"]().eval()
+    model = WINDOWED["llama4"]().eval()
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
@@ -274,18 +274,160 @@ def test_hybrid_models_with_state_layers_are_refused_clearly():
         QuantizedPagedCache(config=cfg)
 
 
-def test_a_window_longer_than_the_sequence_is_served_from_the_pages(monkeypatch):
-    """A sliding window changes nothing while the timeline is shorter than it (Mistral-7B-v0.1: 4096 tokens), so
-    such steps keep the paged attention; from the window's length on they take the fallback."""
-    torch.manual_seed(0)
-    model = WINDOWED["mistral"]().eval()  # window 16
+# sliding-window models: (model, how it names the window); windows of 24 tokens over pages of 16 and a residual
+# window of 8 (+ a group of 16 before a flush), so a query's window starts in the pages, mid-page or in the residual
+SLIDING = {
+    "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SMALL, head_dim=32, sliding_window=24)),  # argument
+    "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**SMALL, sliding_window=24, pad_token_id=0)),
+    "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**SMALL, sliding_window=24)),
+    # the module holds it, and only some layers are sliding (config.layer_types)
+    "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        **dict(SMALL, num_hidden_layers=3), head_dim=32, sliding_window=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=24,
+                                                      max_window_layers=1)),
+}
+SLIDING_PAGED = dict(key_bits=8, value_bits=8, group_size=16, residual_length=8, page_size=16)
+
+
+def _materialize_calls(monkeypatch):
     calls = []
     real = QuantizedPagedLayer.materialize
     monkeypatch.setattr(QuantizedPagedLayer, "materialize", lambda self, *a: calls.append(self.seen) or real(self, *a))
-    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
-    ref_seq, ref_logits = _generate(model, ids, None, DynamicCache(), n=9)
-    seq, logits = _generate(model, ids, None, QuantizedPagedCache(**NO_QUANT), n=9)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
-    assert torch.equal(seq, ref_seq)
-    # 10 prompt tokens, then 8 decode steps storing tokens 11..18: the steps at 16, 17, 18 tokens take the fallback
-    assert sorted(set(calls)) == [16, 17, 18], calls
+    return calls
+
+
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_models_are_served_from_the_pages(monkeypatch, family):
+    """Sliding-window layers are served by the paged attention with the window (no fallback step), for a padded
+    batch, a prompt longer than the window and 24 decode steps. With the same stored tokens the served logits equal
+    the materialized fallback's (sdpa over the dequantized history with transformers' sliding mask) and stay close
+    to DynamicCache's (8-bit); sliding layers keep no sink tokens, the others keep theirs."""
+    from kivi_cache import hook
+
+    torch.manual_seed(0)
+    model = SLIDING[family]().eval()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    _, ref_logits = _generate(model, ids, mask, DynamicCache(), n=24)
+    calls = _materialize_calls(monkeypatch)
+    served = QuantizedPagedCache(**SLIDING_PAGED, sink_length=2)
+    seq, logits = _generate(model, ids, mask, served, n=24)
+    assert calls == []
+    windows = [layer.sliding_window for layer in served.layers]
+    assert 24 in windows and all(w in (None, 24) for w in windows), windows
+    assert all((layer.cfg.sink_length == 0) == (layer.sliding_window is not None) for layer in served.layers)
+    assert all(sum(layer.q_lens) > 0 for layer in served.layers)  # the pages are read
+    err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    assert err < 2e-2, err
+    # the same storage (no sinks anywhere), attention through the fallback: the same logits
+    same = QuantizedPagedCache(**SLIDING_PAGED)
+    _, served_logits = _generate(model, ids, mask, same, n=24)
+    monkeypatch.setattr(hook, "_pattern", lambda module, kwargs: (False, None))
+    _, fallback_logits = _generate(model, ids, mask, QuantizedPagedCache(**SLIDING_PAGED), n=24)
+    assert calls  # now every step took the fallback
+    torch.testing.assert_close(served_logits, fallback_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_chunked_prefill_and_continued_generation(monkeypatch, family):
+    """Several new tokens over a filled sliding-window cache (a second ``generate`` on the same cache, and a prompt
+    prefilled in chunks): each query's window starts at its own position; the logits equal the fallback's over the
+    same storage."""
+    from kivi_cache import hook
+
+    torch.manual_seed(0)
+    model = SLIDING[family]().eval()
+    ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        cache = QuantizedPagedCache(**SLIDING_PAGED)
+        first, _ = _generate(model, ids[:, :30], None, cache, n=6)
+        with torch.no_grad():
+            out = model(torch.cat([first, ids[:, 36:]], 1), **cache_kwargs(model, cache))
+        return out.logits
+
+    calls = _materialize_calls(monkeypatch)
+    served = run()
+    assert calls == []
+    monkeypatch.setattr(hook, "_pattern", lambda module, kwargs: (False, None))
+    torch.testing.assert_close(served, run(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_holding_sinks_keeps_them_and_falls_back_past_the_window(monkeypatch):
+    """A layer that stored sink tokens before the hook saw its window (here: filled through ``update`` alone)
+    cannot drop them: it refuses the window, is served while the timeline is shorter than it and takes the
+    fallback from there (exact with nothing quantized)."""
+    layer_cache = QuantizedPagedCache(**NO_QUANT, sink_length=2)
+    layer_cache.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32), 0)
+    layer = layer_cache.layers[0]
+    layer._flush_pending()
+    assert layer.sinks == [2] and not layer.use_sliding_window(16) and layer.sliding_window is None
+    empty = QuantizedPagedCache(sink_length=2)
+    empty.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32), 0)
+    assert empty.layers[0].use_sliding_window(16) and empty.layers[0].cfg.sink_length == 0
+    assert empty.quant_config.sink_length == 2  # the cache's setting (other layers) is untouched
+    assert empty.layers[0].use_sliding_window(16) and not empty.layers[0].use_sliding_window(32)
+
+
+def test_sliding_window_layers_release_the_pages_no_query_sees(monkeypatch):
+    """A sliding-window layer keeps only the pages its window can still reach: a long prompt's hidden part is never
+    written (zero-page entries), decoding releases pages as the window moves, so the pages in use stay bounded by
+    the window whatever the length; full-attention layers keep everything. The output equals the fallback's
+    (which stores everything) and beam search over the shared pages too."""
+    from kivi_cache import hook
+
+    torch.manual_seed(0)
+    model = SLIDING["gemma3"]().eval()  # layers 0, 1 sliding (24), 2 full
+    ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(3))
+    cache = QuantizedPagedCache(**SLIDING_PAGED)
+    seq, logits = _generate(model, ids, None, cache, n=40)
+    p = SLIDING_PAGED["page_size"]
+    sliding, full = cache.layers[0], cache.layers[2]
+    assert sliding.sliding_window == 24 and full.sliding_window is None
+    zero = sliding.pool.zero
+    for i in range(2):
+        table = sliding.tables[i]
+        assert sliding.hidden[i] >= (200 + 40 - 24 - 8 - 16) // p - 1
+        assert all(page == zero for page in table[:sliding.hidden[i]]) and zero not in table[sliding.hidden[i]:]
+    # live pages: the window, the residual window and a group before a flush, over 16-token pages, + the zero page
+    bound = 2 * (-(-(24 + 8 + 16) // p) + 1) + 1
+    assert sliding.pool.pages_in_use <= bound < full.pool.pages_in_use
+    assert sliding.pool.capacity < full.pool.capacity  # the prompt's hidden part was never written
+    assert full.pool.zero is None and all(len(t) == full.q_lens[i] // p for i, t in enumerate(full.tables))
+    report = cache.memory_report()
+    assert report is not None
+    monkeypatch.setattr(hook, "_pattern", lambda module, kwargs: (False, None))
+    fallback = QuantizedPagedCache(**SLIDING_PAGED)
+    fb_seq, fb_logits = _generate(model, ids, None, fallback, n=40)
+    assert fallback.layers[0].pool.zero is None
+    torch.testing.assert_close(logits, fb_logits, rtol=1e-4, atol=1e-4)
+
+    def beams():  # beam search: the beams share pages, the zero page included
+        with torch.no_grad():
+            return model.generate(ids[:1, :150], **cache_kwargs(model, QuantizedPagedCache(**SLIDING_PAGED)),
+                                  max_new_tokens=30, min_new_tokens=30, num_beams=3, do_sample=False, pad_token_id=0)
+
+    fb_beams = beams()  # still the fallback
+    monkeypatch.undo()
+    assert torch.equal(beams(), fb_beams)
+
+
+def test_crop_refuses_to_bring_released_tokens_back():
+    """``crop`` on a sliding-window layer that released pages: allowed while the window stays clear of them, a
+    ValueError naming the limit (and nothing changed) where the next query would need released tokens."""
+    torch.manual_seed(0)
+    model = SLIDING["mistral"]().eval()
+    cache = QuantizedPagedCache(**SLIDING_PAGED)
+    _generate(model, torch.randint(3, 128, (1, 100)), None, cache, n=4)
+    layer = cache.layers[0]
+    assert layer.hidden[0] > 0
+    limit = layer.q_lens[0] + layer.r_lens[0] - layer.hidden[0] * SLIDING_PAGED["page_size"] - 24
+    before = (list(layer.tables[0]), layer.q_lens[:], layer.r_lens[:], layer.seen)
+    with pytest.raises(ValueError, match=f"crop by at most {limit} tokens"):
+        cache.crop(-(limit + 1))
+    assert (layer.tables[0], layer.q_lens, layer.r_lens, layer.seen) == before
+    cache.crop(-limit)
+    assert layer.seen == before[3] - limit

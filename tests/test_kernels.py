@@ -708,3 +708,133 @@ def test_in_kernel_merge_plan_limits(monkeypatch, grp, splits, merge_max, fused)
     assert plan.nsp1 == splits + 1 and (plan.merge_meta is not None) == fused
     if fused:
         assert plan.merge_meta["BM"] >= splits + 1 and plan.merge_meta["MERGE"] == 1
+
+
+# ----------------------------------------------------------------------------- sliding-window attention
+
+def brute_window_attention(args, sliding_window, q=None, new_k=None, new_v=None, new_mask=None):
+    """An independent oracle for the ``sliding_window`` argument: each sequence's stored tokens dequantized and laid
+    out in order (pages, then the window), the queries after them; each query attends to the keys at most
+    ``sliding_window - 1`` positions before it (fp64 softmax)."""
+    q = args[0] if q is None else q
+    bt, lengths, pool, res_k, res_v, rl, kb, vb, g, scale = args[1], args[2], args[3:9], *args[9:16]
+    hk, hv = R.dequantize_pages(bt, lengths, *pool, kb, vb, g)
+    decode = q.dim() == 3
+    qq = q[:, :, None] if decode else q
+    bsz, hq, ql, d = qq.shape
+    grp = hq // res_k.shape[1]
+    out = torch.zeros(bsz, hq, ql, d, dtype=torch.float64, device=q.device)
+    for b in range(bsz):
+        n, r = int(lengths[b]), int(rl[b])
+        k = torch.cat([hk[b, :, :n].double(), res_k[b, :, :r].double()], 1)
+        v = torch.cat([hv[b, :, :n].double(), res_v[b, :, :r].double()], 1)
+        stored = n + r
+        for i in range(ql):
+            qi = stored - 1 if decode else stored + i  # the query's own index (decode: the newest stored token)
+            lo = max(0, qi - sliding_window + 1)
+            kk, vv = k[:, lo:], v[:, lo:]
+            if not decode:
+                keep = new_mask[b, i]
+                kk = torch.cat([kk, new_k[b][:, keep].double()], 1)
+                vv = torch.cat([vv, new_v[b][:, keep].double()], 1)
+            kk = kk.repeat_interleave(grp, 0)
+            vv = vv.repeat_interleave(grp, 0)
+            p = torch.softmax((qq[b, :, i:i + 1].double() @ kk.transpose(-1, -2)) * scale, -1)
+            out[b, :, i] = (p @ vv)[:, 0]
+    return out[:, :, 0] if decode else out
+
+
+SLIDING_CASES = {  # lengths (multiples of 32), window lengths, window sizes: past every page, inside one, at edges
+    "in_window_only": ([96, 160], [17, 5], [1, 5, 17]),
+    "page_edges": ([192, 128], [0, 31], [32, 64, 65, 96, 127, 159]),
+    "mid_group": ([224, 64], [9, 40], [3, 41, 50, 100, 200]),
+    "longer_than_all": ([96, 0], [4, 9], [101, 400]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SLIDING_CASES))
+def test_decode_sliding_window_matches_brute_force(case):
+    """The reference's and the kernel's ``sliding_window`` against an independent per-sequence oracle, over windows
+    inside the residual window, at page and group edges, mid-group and longer than the sequence; pages wholly before
+    the window are poisoned (NaN scales) for the kernel, which must not read them."""
+    lengths, res, windows = SLIDING_CASES[case]
+    args = decode_case(2, 2, 2, 64, 64, 32, 4, 4, torch.float32, lengths, res, c=48)
+    for w in windows:
+        want = brute_window_attention(args, w)
+        ref = R.paged_decode_attention(*args, sliding_window=w)
+        assert rel_err(ref, want, f"sliding reference {case}") < 1e-5, w
+        poisoned = list(args)
+        kc, ks, kz, vc, vs, vz = (t.clone() for t in args[3:9])
+        for b, (n, r) in enumerate(zip(lengths, res, strict=True)):
+            first_page = max(0, n + r - w) // 64  # the first page holding a visible token
+            for col in range(min(first_page, -(-n // 64))):
+                page = int(args[1][b, col])
+                ks[page] = float("nan")
+                vs[page] = float("nan")
+        poisoned[3:9] = kc, ks, kz, vc, vs, vz
+        for splits in (None, 3):
+            out = torch.full_like(args[0], float("nan"))
+            K.paged_decode_attention(*poisoned, out=out, sliding_window=w, num_splits=splits)
+            assert torch.isfinite(out).all(), (case, w, splits)
+            assert rel_err(out, want, f"sliding decode {case}") < TOL[torch.float32], (w, splits)
+
+
+@pytest.mark.parametrize("newkv,fuse", [(True, "1"), (False, "0")])
+def test_decode_sliding_window_chunked_window_and_new_token(monkeypatch, newkv, fuse):
+    """The sliding window across a residual window read in 64-slot chunks (some chunks wholly hidden), with the
+    step's token written by the kernel, merged in the split kernel or by the merge kernel; fp16."""
+    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "64")
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", fuse)
+    bsz, d = 4, 64
+    args = list(decode_case(bsz, 1, 4, d, 64, 32, 2, 4, torch.float16, [64, 0, 96, 160], [150, 130, 70, 1], c=150))
+    new = {}
+    if newkv:
+        new = dict(new_k=torch.randn(bsz, 1, d, device=DEV).half(), new_v=torch.randn(bsz, 1, d, device=DEV).half())
+    for w in (10, 66, 140, 230):
+        rk, rv = args[9].clone(), args[10].clone()
+        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], sliding_window=w, **new)
+        if newkv:
+            want_k, want_v = window_with_token(args[9], args[10], args[11], new["new_k"], new["new_v"])
+            assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
+        want = brute_window_attention([*args[:9], rk, rv, *args[11:]], w)
+        assert rel_err(out, want, "sliding decode chunked") < TOL[torch.float16], w
+
+
+@settings(max_examples=6, deadline=None)
+@given(bsz=st.integers(1, 3), grp=st.sampled_from([1, 2, 4]), bits=st.sampled_from(BITS), data=st.data())
+def test_decode_sliding_window_hypothesis(bsz, grp, bits, data):
+    lengths = [32 * n for n in data.draw(st.lists(st.integers(0, 6), min_size=bsz, max_size=bsz))]
+    res = [r if r or n else 1 for r, n in zip(
+        data.draw(st.lists(st.integers(0, 40), min_size=bsz, max_size=bsz)), lengths, strict=True)]
+    w = data.draw(st.integers(1, 260))
+    args = decode_case(bsz, 2, grp, 64, 64, 32, bits[0], bits[1], torch.float32, lengths, res, c=40)
+    want = brute_window_attention(args, w)
+    out = K.paged_decode_attention(*args, sliding_window=w, num_splits=data.draw(st.sampled_from([None, 2, 5])))
+    assert rel_err(out, want, "sliding decode hypothesis") < TOL[torch.float32], (lengths, res, w)
+
+
+def test_prefix_attention_sliding_window():
+    """Several queries over a quantized past with a sliding window: each query's window starts at its own position
+    (the history's part here; the mask gives the new tokens'): kernel path and reference against the oracle."""
+    bsz, hkv, grp, d, ql = 2, 2, 2, 64, 6
+    args = decode_case(bsz, hkv, grp, d, 64, 32, 4, 4, torch.float32, [192, 64], [7, 30], c=32)
+    q = torch.randn(bsz, hkv * grp, ql, d, device=DEV)
+    new_k = torch.randn(bsz, hkv, ql, d, device=DEV)
+    new_v = torch.randn(bsz, hkv, ql, d, device=DEV)
+    for w in (4, 40, 100, 500):
+        causal = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV))
+        mask = (causal & ~torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV), -w))[None].repeat(bsz, 1, 1)
+        pa = (q, *args[1:12], new_k, new_v, mask, 4, 4, 32, args[15])
+        want = brute_window_attention(args, w, q=q, new_k=new_k, new_v=new_v, new_mask=mask)
+        ref = R.paged_prefix_attention(*pa, sliding_window=w)
+        out = K.paged_prefix_attention(*pa, sliding_window=w)
+        assert rel_err(ref, want, "sliding prefix reference") < 1e-5, w
+        assert rel_err(out, want, "sliding prefix") < TOL[torch.float32], w
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "16"])
+def test_sliding_window_argument_is_checked(bad):
+    args = decode_case(1, 1, 1, 64, 64, 32, 4, 4, torch.float32, [64], [3])
+    for fn in (K.paged_decode_attention, R.paged_decode_attention):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+            fn(*args, sliding_window=bad)

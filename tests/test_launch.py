@@ -152,7 +152,7 @@ def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch
         n = _runtime_params(fn)
         assert len(args) == n, (name, len(args), n)
         names = list(inspect.signature(fn.fn).parameters)
-        assert set(names[n:]) - set(meta) <= {"NEWKV", "MERGE", "BM", "BSM"}, (name, names[n:], meta)  # defaults
+        assert set(names[n:]) - set(meta) <= {"NEWKV", "MERGE", "BM", "BSM", "SLIDING"}, (name, names[n:], meta)
 
 
 def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypatch):
