@@ -6,7 +6,8 @@ and ran SDPA with transformers' window mask (the "fallback"), and the pages of e
 hook passes the window to the kernels, which read only the pages it covers, and the layer releases the pages no query
 can see again (a long prompt's hidden part is never written).
 
-Part 1, kernels (one layer, one decode step; eager launches timed with ``triton.testing.do_bench``, median): batch
+Part 1, kernels (one layer, one decode step; eager launches timed with ``triton.testing.do_bench`` and CUDA-graph
+replays with ``do_bench_cudagraph`` (GPU time without the host's launch work), medians of 3 interleaved rounds): batch
 {1, 8}, 32 query / 8 KV heads, head_dim 128, ``--context`` stored tokens (128 in the fp16 residual window), window
 ``--window``:
   - ``kivi-int4-window``: ``paged_decode_attention(..., sliding_window=W)`` over the full pool (only the window's
@@ -16,11 +17,12 @@ Part 1, kernels (one layer, one decode step; eager launches timed with ``triton.
   - ``fp16-window``: SDPA over W fp16 tokens (transformers' ``DynamicSlidingWindowLayer`` keeps W - 1 + the new one).
   Each row checks the windowed kernel against the torch reference on its first sequence.
 Part 2, ``generate`` (random-weight Mistral-7B shape: 32 layers, 32/8 heads, head_dim 128, window ``--window``, fp16;
-batch 1, ``--prompt`` tokens, ``--new`` new tokens): ``DynamicCache(config=model.config)`` (sliding layers: fp16,
+batch 1, ``--prompts`` tokens, ``--new`` new tokens): ``DynamicCache(config=model.config)`` (sliding layers: fp16,
 W - 1 tokens), ``Int4PagedCache()`` served with the window, and ``Int4PagedCache()`` with the hook's pattern check
-forced to the fallback (the behaviour before). Per cache: time per decode step ((t_N - t_1) / (N - 1), two runs),
-peak memory above the weights (``torch.cuda.max_memory_allocated``), the cache's bytes after generation, and the
-leading generated tokens that agree with DynamicCache's.
+forced to the fallback (the behaviour before). Per cache and prompt (``--prompts``): time per decode step (median of
+the per-step times, median over 3 rounds alternating between the caches), peak memory above the weights
+(``torch.cuda.max_memory_allocated``), the cache's bytes after generation (ours: everything allocated), the layers
+served with a window and the pages in use, and the leading generated tokens that agree with DynamicCache's.
 
     . eval/device_env.sh && python eval/bench_sliding.py --out $OUT/bench_sliding.json    # H200, ~3 minutes
     python eval/bench_sliding.py --quick                                                  # CPU smoke run
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from unittest import mock
@@ -48,9 +51,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import transformers  # noqa: E402
 import triton  # noqa: E402
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM  # noqa: E402
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM  # noqa: E402,E501
 
-from eval.bench_kernels import make_pool  # noqa: E402
+from eval.bench_kernels import graph_bench, make_pool  # noqa: E402
 from kivi_cache import Int4PagedCache, cache_kwargs, hook  # noqa: E402
 from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
@@ -66,13 +69,25 @@ def log(*a):
     print(*a, flush=True)
 
 
-def bench(fn, device) -> float:
+def bench(fn, device, graph: bool = False) -> float:
+    if device.type == "cuda" and graph:
+        return graph_bench(fn, rep=60)
     if device.type == "cuda":
         return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
     fn()
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved(fns: dict, device, graph: bool, rounds: int) -> dict:
+    """Median ms of each function over ``rounds`` rounds that alternate between them (the host's and the GPU's
+    phases spread over all of them alike)."""
+    got = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            got[name].append(bench(fn, device, graph))
+    return {name: statistics.median(v) for name, v in got.items()}
 
 
 # ----------------------------------------------------------------------------- part 1: kernels
@@ -113,24 +128,33 @@ def kernel_row(args, b: int, device) -> dict:
     visible = (torch.arange(total, device=device) >= total - w)[None, None, None]
 
     def fallback():
-        hk, hv = KK.dequantize_pages(pool["block_table"], pool["lengths"], *tensors, 4, 4, g)
+        hk, hv = KK.dequantize_pages(pool["block_table"], pool["lengths"], *tensors, 4, 4, g, max_len=t_quant)
         k = torch.cat([hk.to(torch.float16), rk[:, :, :res]], 2)
         v = torch.cat([hv.to(torch.float16), rv[:, :, :res]], 2)
         return F.scaled_dot_product_attention(q4, k, v, attn_mask=visible, scale=sm, enable_gqa=True)
 
-    times = {
-        "kivi-int4-window": bench(lambda: KK.paged_decode_attention(*pa, sliding_window=w), device),
-        "kivi-int4-full": bench(lambda: KK.paged_decode_attention(*pa), device),
-        "fallback": bench(fallback, device),
-        "fp16-window": bench(lambda: F.scaled_dot_product_attention(q4, fp_k, fp_v, scale=sm, enable_gqa=True),
-                             device),
-    }
+    def fns(merge: bool) -> dict:  # merge=False where captured: no arrival counts kept between calls
+        return {
+            "kivi-int4-window": lambda: KK.paged_decode_attention(*pa, sliding_window=w, merge=merge),
+            "kivi-int4-full": lambda: KK.paged_decode_attention(*pa, merge=merge),
+            "fallback": fallback,
+            "fp16-window": lambda: F.scaled_dot_product_attention(q4, fp_k, fp_v, scale=sm, enable_gqa=True),
+        }
+
+    rounds = 1 if args.quick else 3
+    eager = interleaved(fns(True), device, False, rounds)
+    graph = interleaved(fns(False), device, True, rounds) if device.type == "cuda" else {}
+    main = graph or eager
     row = dict(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, context=total, window=w, rel_err_window=err,
-               ms=times, speedup_over_fallback=times["fallback"] / times["kivi-int4-window"],
-               vs_fp16_window=times["fp16-window"] / times["kivi-int4-window"])
-    log(f"b={b} ctx={total} window={w}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items())
-        + f"; window vs fallback {row['speedup_over_fallback']:.1f}x, vs fp16 window "
-          f"{row['vs_fp16_window']:.2f}x, err {err:.1e}")
+               eager_ms=eager, graph_ms=graph, speedup_over_fallback=main["fallback"] / main["kivi-int4-window"],
+               vs_fp16_window=main["fp16-window"] / main["kivi-int4-window"],
+               vs_full=main["kivi-int4-full"] / main["kivi-int4-window"])
+    for label, times in (("eager", eager), ("graph", graph)):
+        if times:
+            log(f"b={b} ctx={total} window={w} {label}: "
+                + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()))
+    log(f"  window vs fallback {row['speedup_over_fallback']:.1f}x, vs full {row['vs_full']:.2f}x, vs fp16 window "
+        f"{row['vs_fp16_window']:.2f}x ({'graphs' if graph else 'eager'}), err {err:.1e}")
     return row
 
 
@@ -157,19 +181,31 @@ def cache_bytes(cache) -> int:
     return cache.memory_report().allocated  # pools (free pages included) and residual windows
 
 
+class StepTimer(LogitsProcessor):
+    """Records the time of each decode step's logits (after a device sync): the steps' durations are the
+    differences (the first call ends the prefill)."""
+
+    def __init__(self, device):
+        self.device, self.marks = device, []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.marks.append(time.perf_counter())
+        return scores
+
+
 def generate_rows(args, device) -> list[dict]:
     model = build_model(args, device)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(device)
     caches = {
         "fp16-DynamicCache": lambda: DynamicCache(config=model.config),
         "kivi-int4": Int4PagedCache,
         "kivi-int4-fallback": Int4PagedCache,
     }
 
-    def run(name, new):
-        cache = caches[name]()
+    def run(name, ids, new):
+        cache, timer = caches[name](), StepTimer(device)
         patch = (mock.patch.object(hook, "_pattern", lambda module, kwargs: (False, None))
                  if name.endswith("fallback") else mock.patch.dict(os.environ, {}))
         if device.type == "cuda":
@@ -178,37 +214,46 @@ def generate_rows(args, device) -> list[dict]:
         with patch, torch.no_grad():
             t0 = time.perf_counter()
             out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+                                 do_sample=False, logits_processor=LogitsProcessorList([timer]))
         peak = torch.cuda.max_memory_allocated(device) - weights if device.type == "cuda" else 0
-        return dt, out[0, ids.shape[1]:].tolist(), peak, cache
+        steps = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
+        got = dict(prefill=timer.marks[0] - t0, step=statistics.median(steps), tokens=out[0, ids.shape[1]:].tolist(),
+                   peak=peak, cache_bytes=cache_bytes(cache))
+        if not isinstance(cache, DynamicCache):
+            got["sliding_layers"] = sum(layer.sliding_window is not None for layer in cache.layers)
+            got["pages_in_use"] = sum(layer.pool.pages_in_use for layer in cache.layers)
+        return got
 
-    with torch.no_grad():  # warm-up: kernels compiled, allocator primed
-        for name in caches:
-            run(name, 3) if not args.quick else None
-    rows, ref_tokens = [], None
-    for name in caches:
-        t1 = min(run(name, 1)[0] for _ in range(2))
-        tn, tokens, peak, cache = min((run(name, args.new) for _ in range(2)), key=lambda x: x[0])
-        step = (tn - t1) / (args.new - 1)
-        if ref_tokens is None:
-            ref_tokens = tokens
-        row = dict(cache=name, prompt=args.prompt, new=args.new, step_ms=step * 1e3, prefill_s=t1,
-                   peak_above_weights_bytes=peak, cache_bytes=cache_bytes(cache),
-                   agree_with_fp16=leading_agreement(tokens, ref_tokens))
-        if name.startswith("kivi"):
-            row["sliding_layers"] = sum(layer.sliding_window is not None for layer in cache.layers)
-            row["pages_in_use"] = sum(layer.pool.pages_in_use for layer in cache.layers)
-        log(f"{name:20s} step {row['step_ms']:.2f} ms, prefill {t1:.2f} s, peak above weights "
-            f"{peak / 2**30:.2f} GiB, cache {row['cache_bytes'] / 2**20:.1f} MiB, agree {row['agree_with_fp16']}/"
-            f"{args.new}" + (f", {row['sliding_layers']} sliding layers, {row['pages_in_use']} pages"
-                             if "pages_in_use" in row else ""))
-        rows.append(row)
-        del cache
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    rows = []
+    for prompt in args.prompts:
+        ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(device)
+        if not args.quick:
+            for name in caches:  # warm-up: kernels compiled, allocator primed
+                run(name, ids, 3)
+        got = {name: [] for name in caches}
+        for _ in range(1 if args.quick else 3):  # rounds alternating between the caches
+            for name in caches:
+                got[name].append(run(name, ids, args.new))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        ref_tokens = got["fp16-DynamicCache"][0]["tokens"]
+        for name, runs in got.items():
+            last = runs[-1]
+            row = dict(cache=name, prompt=prompt, new=args.new,
+                       step_ms=statistics.median(r["step"] for r in runs) * 1e3,
+                       step_ms_rounds=[r["step"] * 1e3 for r in runs],
+                       prefill_s=statistics.median(r["prefill"] for r in runs),
+                       peak_above_weights_bytes=max(r["peak"] for r in runs), cache_bytes=last["cache_bytes"],
+                       agree_with_fp16=leading_agreement(last["tokens"], ref_tokens),
+                       **{k: last[k] for k in ("sliding_layers", "pages_in_use") if k in last})
+            log(f"prompt {prompt} {name:20s} step {row['step_ms']:.2f} ms (rounds "
+                f"{', '.join(f'{x:.2f}' for x in row['step_ms_rounds'])}), prefill {row['prefill_s']:.2f} s, peak "
+                f"above weights {row['peak_above_weights_bytes'] / 2**30:.2f} GiB, cache "
+                f"{row['cache_bytes'] / 2**20:.1f} MiB, agree {row['agree_with_fp16']}/{args.new}"
+                + (f", {row['sliding_layers']} sliding layers, {row['pages_in_use']} pages" if "pages_in_use" in row
+                   else ""))
+            rows.append(row)
     return rows
 
 
@@ -218,19 +263,22 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=4096)
     ap.add_argument("--context", type=int, default=32768, help="kernel part: stored tokens per sequence")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--prompt", type=int, default=16384, help="generate part: prompt tokens")
+    ap.add_argument("--prompts", default="16384,32768", help="generate part: prompt tokens")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--parts", default="kernels,generate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.window, args.context, args.prompt, args.new, args.batches = 40, 200, 120, 6, "1,2"
+        args.window, args.context, args.prompts, args.new, args.batches = 40, 200, "120", 6, "1,2"
     args.batches = [int(x) for x in args.batches.split(",")]
+    args.prompts = [int(x) for x in args.prompts.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), window=args.window, context=args.context, prompt=args.prompt,
-                new=args.new, timing="eager, triton.testing.do_bench median (kernels); wall clock (generate)")
+                python=platform.python_version(), window=args.window, context=args.context, prompts=args.prompts,
+                new=args.new, timing="kernels: do_bench (eager) and do_bench_cudagraph medians of 3 interleaved "
+                "rounds; generate: median per-step time (a logits processor after a device sync), median of 3 "
+                "interleaved rounds")
     log(json.dumps(meta))
     result = dict(meta=meta)
     parts = args.parts.split(",")

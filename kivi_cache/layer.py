@@ -549,7 +549,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
     @property
     def keys(self) -> torch.Tensor | None:
         """The cached keys in full precision, ``[B, H, seen, D]``, as ``DynamicLayer.keys`` holds them (stored
-        tokens dequantized, right-aligned, pads as zeros; a pending step's tokens included, nothing committed);
+        tokens dequantized, right-aligned, pads and a sliding-window layer's released tokens as zeros; a pending
+        step's tokens included, nothing committed);
         None before the first update. For code that reads a layer's tensors (Whisper's ``generate`` with
         ``return_dict_in_generate``, iterating the cache): a new tensor each time, so writing to it changes
         nothing, and a dequantization per read."""
