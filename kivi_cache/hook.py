@@ -87,6 +87,10 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
     if static is not None:
         layer = static.layers[module.layer_idx]
         if layer.static and key is layer.res_k:
+            window = _pattern(module, kwargs)[1]
+            if window != layer.sliding_window:  # (the prompt's attention sets it: a constant when compiled)
+                raise ValueError(f"StaticQuantizedPagedCache: layer {module.layer_idx}'s sliding window is {window} "
+                                 f"but its prompt was stored for {layer.sliding_window}")
             if scaling is None:
                 scaling = query.shape[-1] ** -0.5
             return layer.attend_static(query, scaling), None

@@ -21,7 +21,9 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
   itself to the model's attention modules: one static cache per model at a time).
 
 Same stored values and attention as ``QuantizedPagedCache`` with the same settings (tested
-token for token). Not supported in static mode: beam search, cropping, several tokens per
+token for token), sliding windows included (the step's attention reads the window the prompt's attention
+learned; a sliding layer's pages are released only while the prompt is stored: in static mode every sequence
+keeps the fixed pages of ``max_cache_len``). Not supported in static mode: beam search, cropping, several tokens per
 sequence after the first decode step (assisted decoding), growing past ``max_cache_len``. A prompt may
 come in chunks (``generate(..., prefill_chunk_size=)``): each chunk is stored eagerly, also when the forward
 is compiled (generate compiles the chunks' forward too): the cache update and the attention of a step before
@@ -40,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from . import hook, ops
-from .cache import INT4_PRESET, QuantizedPagedCache, _check_model_config
+from .cache import INT4_PRESET, QuantizedPagedCache
 from .config import _check_int
 from .layer import QuantizedPagedLayer, query_len
 
@@ -51,10 +53,12 @@ from .layer import QuantizedPagedLayer, query_len
 def _decode_op(q: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor, k_codes: torch.Tensor,
                k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                v_zero: torch.Tensor, res_k: torch.Tensor, res_v: torch.Tensor, res_lengths: torch.Tensor,
-               key_bits: int, value_bits: int, group_size: int, sm_scale: float) -> torch.Tensor:
+               key_bits: int, value_bits: int, group_size: int, sm_scale: float,
+               sliding_window: int = 0) -> torch.Tensor:
     return ops.paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                       res_k=res_k, res_v=res_v, res_lengths=res_lengths, key_bits=key_bits,
-                                      value_bits=value_bits, group_size=group_size, sm_scale=sm_scale, merge=False)
+                                      value_bits=value_bits, group_size=group_size, sm_scale=sm_scale, merge=False,
+                                      sliding_window=sliding_window or None)
 
 
 @_decode_op.register_fake
@@ -205,7 +209,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         cfg = self.cfg
         out = torch.ops.kivi_cache.paged_decode_attention(
             query[:, :, 0].contiguous(), self.block_table, self.q_len, *self.pool.args(), self.res_k, self.res_v,
-            self.r_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling))
+            self.r_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling), self.sliding_window or 0)
         return out[:, None]
 
     def get_seq_length(self):
@@ -275,7 +279,6 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
 
     def __init__(self, model, max_cache_len: int, **quant):
         _check_int("max_cache_len", max_cache_len, 1)
-        _check_model_config(model.config, sliding=False, name=type(self).__name__)  # its step reads every page
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if not getattr(model, "_supports_attention_backend", False):

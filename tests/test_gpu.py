@@ -91,6 +91,49 @@ def test_static_cache_compiles_in_generate_and_matches_eager():
     assert agree > 0.95 and torch.equal(out, again)
 
 
+def _sliding_model():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                            sliding_window=64, max_position_embeddings=1024, pad_token_id=0)).eval()
+
+
+def test_sliding_window_model_compiled_and_eager_on_the_gpu():
+    """A sliding-window model (Mistral shape, window 64, head_dim 64, a decisive 160-token prompt) on the GPU: the
+    eager cache serves the window from the pages with the Triton kernels (no fallback step, pages released) and
+    gives the fallback's tokens over the same storage; StaticQuantizedPagedCache compiled by generate (inductor, CUDA
+    graphs) gives the eager cache's tokens."""
+    from kivi_cache import StaticQuantizedPagedCache, hook
+    from kivi_cache.layer import QuantizedPagedLayer
+
+    model = _sliding_model()
+    ids = decisive_prompt(model, 160, margin=0.01, new_tokens=32).cuda()
+    model = model.to("cuda", torch.float16)
+    cfg = dict(key_bits=4, value_bits=4, sink_length=0, **dict(SMALL, page_size=64))
+    calls = []
+    real = QuantizedPagedLayer.materialize
+    QuantizedPagedLayer.materialize = lambda self, *a: calls.append(1) or real(self, *a)
+    try:
+        eager = QuantizedPagedCache(**cfg)
+        served = _gen(model, ids, eager)
+    finally:
+        QuantizedPagedLayer.materialize = real
+    assert calls == [] and all(layer.sliding_window == 64 and layer.hidden[0] > 0 for layer in eager.layers)
+    saved = hook._pattern
+    hook._pattern = lambda module, kwargs: (False, None)
+    try:
+        fallback = _gen(model, ids, QuantizedPagedCache(**cfg))
+    finally:
+        hook._pattern = saved
+    static = _gen(model, ids, StaticQuantizedPagedCache(model, 160 + 32, **cfg))
+    vs_fallback = (served == fallback).float().mean().item()
+    vs_static = (static == served).float().mean().item()
+    print(f"sliding window: served vs fallback {vs_fallback:.3f}, static compiled vs eager {vs_static:.3f}")
+    assert vs_fallback > 0.95 and vs_static > 0.95
+
+
 def test_decode_steps_never_synchronize_the_gpu_from_the_cache():
     """Eager decoding keeps the host ahead of the GPU: across a generate with group flushes (unpadded and
     left-padded batches) no synchronizing CUDA call comes from kivi_cache's code (torch's sync debug mode

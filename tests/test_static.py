@@ -370,3 +370,42 @@ def test_prefill_errors():
     assert cache.get_seq_length() == 9
     with pytest.raises(ValueError, match="empty cache"):
         prefill(model, cache, ids)
+
+
+def _mistral(window=24):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
+                        max_position_embeddings=512, pad_token_id=0)
+    return MistralForCausalLM(cfg).eval()
+
+
+def test_static_sliding_window_matches_the_eager_cache_and_compiles():
+    """A sliding-window model (Mistral, window 24) in static mode: the step's attention reads the window (the tokens
+    equal the eager cache's, which serves the window from the pages and releases pages; without the window the
+    logits differ), no graph break, and the compiled step gives the same logits."""
+    import unittest.mock as um
+
+    from kivi_cache import hook
+
+    model = _mistral()
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(3))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG))
+    cache = StaticQuantizedPagedCache(model, 128, **CFG)
+    assert torch.equal(_generate(model, ids, cache), ref)
+    assert all(layer.sliding_window == 24 and layer.cfg.sink_length == 0 for layer in cache.layers)
+    assert cache.layers[0].hidden[0] > 0  # the prompt's hidden pages were never written
+    eager_logits, _ = _decode_logits(model, ids, model.forward, 20)
+    with um.patch.object(hook, "_pattern", lambda module, kwargs: (True, None)):  # the window ignored
+        ignored, _ = _decode_logits(model, ids, model.forward, 20)
+    assert not torch.allclose(eager_logits, ignored, atol=1e-3)
+    with torch.no_grad():
+        static = StaticQuantizedPagedCache(model, 96, **CFG)
+        tok = model(ids, **cache_kwargs(model, static)).logits[:, -1:].argmax(-1)
+        explain = torch._dynamo.explain(model)(tok, **cache_kwargs(model, static), cache_position=torch.full((1,), 60))
+    assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons]
+    torch._dynamo.reset()
+    compiled, _ = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), 20)
+    assert torch.equal(eager_logits, compiled)
