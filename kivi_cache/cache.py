@@ -12,6 +12,20 @@ from .layer import QuantizedPagedLayer
 from .memory import MemoryReport
 
 
+def _layer_windows(config) -> list:
+    """Each layer's sliding window by the model config (None: full attention): for sizing pools only (the window a
+    layer is served with comes from its attention module, through the hook)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        window = None
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    n = getattr(text, "num_hidden_layers", 0) or 0
+    return [window if getattr(text, "use_sliding_window", True) else None] * n
+
+
 def _check_model_config(config, sliding: bool = True, name: str = "QuantizedPagedCache") -> None:
     """Refuse model configurations whose attention the cache would get wrong (``sliding=False``: also sliding
     windows, for the static cache)."""
@@ -46,7 +60,9 @@ class QuantizedPagedCache(Cache):
             exactly what a prefill needs).
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
         config: optional model config, checked up front for attention the cache does not support (layer types
-            other than full and sliding-window attention, e.g. chunked attention or state-space layers).
+            other than full and sliding-window attention, e.g. chunked attention or state-space layers); with
+            ``max_batch_size``/``max_cache_len`` it also sizes the pools of sliding-window layers, which hold
+            only the pages their window reaches (``QuantConfig.sliding_pages_per_sequence``).
         max_batch_size, max_cache_len: give both to preallocate exactly the pages ``max_batch_size``
             sequences of up to ``max_cache_len`` tokens (prompt + new) need (instead of ``num_pages``):
             what to do under a memory limit, as for transformers' ``StaticCache``. Longer or more
@@ -70,8 +86,15 @@ class QuantizedPagedCache(Cache):
             pages = max_batch_size * quant_config.pages_per_sequence(max_cache_len)
             quant_config = dataclasses.replace(quant_config, num_pages=pages)
         self.quant_config = quant_config
+        self._layer_configs: list = []  # per layer, where it differs from quant_config (sliding layers' pools)
         if config is not None:
             _check_model_config(config)
+            if max_batch_size is not None:
+                self._layer_configs = [
+                    None if w is None else dataclasses.replace(
+                        quant_config, num_pages=max_batch_size * quant_config.sliding_pages_per_sequence(
+                            w, max_cache_len) + 1)  # + the zero page of released entries
+                    for w in _layer_windows(config)]
         super().__init__(layers=[])
 
     def __repr__(self):
@@ -84,7 +107,9 @@ class QuantizedPagedCache(Cache):
         if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
             self.quant_config.check_head_dim(key_states.shape[-1])  # before any state changes
         while len(self.layers) <= layer_idx:
-            self.layers.append(QuantizedPagedLayer(self.quant_config))
+            i = len(self.layers)
+            own = self._layer_configs[i] if i < len(self._layer_configs) else None
+            self.layers.append(QuantizedPagedLayer(own or self.quant_config))
         return self.layers[layer_idx].update(key_states, value_states)
 
     def __iter__(self):

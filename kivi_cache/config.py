@@ -6,7 +6,7 @@ and runs in ``QuantConfig.__post_init__``, before any cache state exists.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 ALLOWED_BITS = (2, 4, 8)
 
@@ -89,6 +89,16 @@ class QuantConfig:
         g = self.group_size
         quantized = max(0, max_len - self.residual_length - self.sink_length) // g * g
         return -(-quantized // self.page_size)
+
+    def sliding_pages_per_sequence(self, window: int, max_len: int) -> int:
+        """Pages one sequence of a sliding-window layer holds at most (no sinks there): the pages its window can
+        reach beyond the residual window, the partly filled one, and one taken by a flush before the step's
+        release (:meth:`~kivi_cache.layer.QuantizedPagedLayer._release_hidden_pages`); never more than a
+        full-attention layer's :meth:`pages_per_sequence`. (A prompt stored in chunks writes each chunk before
+        releasing: it may need more for a moment, and the pool then grows.)"""
+        _check_int("window", window, 1)
+        full = replace(self, sink_length=0).pages_per_sequence(max_len)
+        return min(full, -(-max(0, window - self.residual_length) // self.page_size) + 2)
 
     def to_dict(self) -> dict:
         return asdict(self)

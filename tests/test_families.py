@@ -431,3 +431,30 @@ def test_crop_refuses_to_bring_released_tokens_back():
     assert (layer.tables[0], layer.q_lens, layer.r_lens, layer.seen) == before
     cache.crop(-limit)
     assert layer.seen == before[3] - limit
+
+
+def test_config_sizes_the_pools_of_sliding_layers():
+    """``config=`` with ``max_batch_size``/``max_cache_len``: a sliding-window layer's pool holds the pages its window
+    reaches (``QuantConfig.sliding_pages_per_sequence`` per sequence, + the zero page), a full layer's the whole
+    ``max_cache_len``; generation stays within them (no pool growth) and gives the tokens of a cache without them."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from kivi_cache.cache import _layer_windows
+
+    assert _layer_windows(MistralConfig(sliding_window=64, num_hidden_layers=3)) == [64] * 3
+    assert _layer_windows(MistralConfig(sliding_window=None, num_hidden_layers=2)) == [None] * 2
+    assert _layer_windows(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1,
+                                      num_hidden_layers=2)) == [None, 64]
+    torch.manual_seed(0)
+    model = SLIDING["gemma3"]().eval()  # layers 0, 1 sliding (24), 2 full
+    ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(3))
+    cfg = QuantConfig(**SLIDING_PAGED)
+    sized = QuantizedPagedCache(**SLIDING_PAGED, config=model.config, max_batch_size=2, max_cache_len=260)
+    seq, _ = _generate(model, ids, None, sized, n=40)
+    sliding = 2 * cfg.sliding_pages_per_sequence(24, 260) + 1
+    assert sliding == 7
+    assert [layer.pool.capacity for layer in sized.layers] == [sliding, sliding, 2 * cfg.pages_per_sequence(260)]
+    plain_seq, _ = _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=40)
+    assert torch.equal(seq, plain_seq)
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        cfg.sliding_pages_per_sequence(0, 100)
