@@ -78,9 +78,25 @@ def _served(dropout, kwargs) -> bool:
     )
 
 
+def _refuse_learned_sinks(module, kwargs) -> None:
+    """Learned attention sinks (GPT-OSS's ``s_aux``: a logit per head in every softmax) are not computed by sdpa,
+    which drops the argument: a model that passes them was never meant to run on sdpa (GPT-OSS declares no sdpa
+    support), but ``attn_implementation="kivi"`` would have run it there, silently wrong (logits ~60% off)."""
+    if kwargs.get("s_aux") is None and kwargs.get("sinks") is None:
+        return
+    d = getattr(module, "__dict__", _EMPTY)
+    impl = getattr(d.get("config"), "_attn_implementation", None)
+    if impl == NAME:
+        raise ValueError(f"attn_implementation='{NAME}' cannot compute this model's learned attention sinks (s_aux: "
+                         f"GPT-OSS); load it with its default attention (eager): a kivi_cache cache still works there "
+                         f"(the history is dequantized for it)")
+
+
 def kivi_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            **kwargs):
     """An attention function for transformers' ``AttentionInterface`` (same signature as sdpa's)."""
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        _refuse_learned_sinks(module, kwargs)
     # a StaticQuantizedPagedCache bound to this model (an instance attribute it sets; a missing attribute through
     # nn.Module.__getattr__ costs an exception, ~1 us per layer and step)
     static = getattr(module, "__dict__", _EMPTY).get("_kivi_static")

@@ -458,3 +458,24 @@ def test_config_sizes_the_pools_of_sliding_layers():
     assert torch.equal(seq, plain_seq)
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
         cfg.sliding_pages_per_sequence(0, 100)
+
+
+def test_learned_attention_sinks_refuse_the_kivi_implementation():
+    """GPT-OSS adds a learned sink logit per head to every softmax (``s_aux``), which sdpa drops: with
+    ``attn_implementation="kivi"`` it ran on sdpa, 59% off in its logits, even with DynamicCache. Now a ValueError;
+    its default (eager) attention with our cache reads the dequantized history and matches DynamicCache."""
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(**dict(SMALL, intermediate_size=128), head_dim=32, num_local_experts=2,
+                         num_experts_per_tok=1, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    model = T.GptOssForCausalLM(cfg).eval()
+    for module in model.modules():
+        if hasattr(module, "sinks"):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref_seq, ref_logits = _generate(model, ids, None, DynamicCache())
+    seq, logits = _generate(model, ids, None, QuantizedPagedCache(**NO_QUANT))
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    model.set_attn_implementation("kivi")
+    for cache in (DynamicCache(), QuantizedPagedCache(**NO_QUANT)):
+        with pytest.raises(ValueError, match="learned attention sinks"):
+            _generate(model, ids, None, cache)
