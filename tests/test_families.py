@@ -286,6 +286,9 @@ SLIDING = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=24,
                                                       max_window_layers=1)),
+    # every module holds the window, the global layers too (which pass sliding_window=None)
+    "exaone4": lambda: T.Exaone4ForCausalLM(T.Exaone4Config(**SMALL, head_dim=32, sliding_window=24,
+                                                            layer_types=["sliding_attention", "full_attention"])),
 }
 SLIDING_PAGED = dict(key_bits=8, value_bits=8, group_size=16, residual_length=8, page_size=16)
 
@@ -329,6 +332,21 @@ def test_sliding_window_models_are_served_from_the_pages(monkeypatch, family):
     _, fallback_logits = _generate(model, ids, mask, QuantizedPagedCache(**SLIDING_PAGED), n=24)
     assert calls  # now every step took the fallback
     torch.testing.assert_close(served_logits, fallback_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_global_layers_of_a_model_whose_modules_all_hold_the_window():
+    """EXAONE 4 sets ``sliding_window`` on every attention module, its global (full-attention) layers too, and
+    passes ``sliding_window=None`` for those: they are full attention (before, the hook read the module's attribute
+    and windowed them: logits 124% off DynamicCache's). Nothing quantized: the logits equal DynamicCache's."""
+    torch.manual_seed(0)
+    model = SLIDING["exaone4"]().eval()
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(1))
+    ref_seq, ref_logits = _generate(model, ids, None, DynamicCache())
+    cache = QuantizedPagedCache(**NO_QUANT)
+    seq, logits = _generate(model, ids, None, cache)
+    assert [layer.sliding_window for layer in cache.layers] == [24, None]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
