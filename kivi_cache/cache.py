@@ -87,6 +87,7 @@ class QuantizedPagedCache(Cache):
             quant_config = dataclasses.replace(quant_config, num_pages=pages)
         self.quant_config = quant_config
         self._layer_configs: list = []  # per layer, where it differs from quant_config (sliding layers' pools)
+        self._record_past = False  # activate_past_recording was called (layers made later record too)
         if config is not None:
             _check_model_config(config)
             if max_batch_size is not None:
@@ -110,7 +111,17 @@ class QuantizedPagedCache(Cache):
             i = len(self.layers)
             own = self._layer_configs[i] if i < len(self._layer_configs) else None
             self.layers.append(QuantizedPagedLayer(own or self.quant_config))
+            if self._record_past:
+                self.layers[-1].activate_past_recording()
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def activate_past_recording(self) -> None:
+        """transformers calls it before assisted decoding, which crops rejected candidates after each step: the
+        sliding-window layers then store every token of a step (also those no later query sees), so that crop can
+        take any of them back. Layers made later (this cache fills them lazily) record too."""
+        self._record_past = True
+        for layer in self.layers:
+            layer.activate_past_recording()
 
     def __iter__(self):
         """``(keys, values, None)`` per layer, in full precision, as iterating a ``DynamicCache`` gives (the third

@@ -94,8 +94,9 @@ class QuantConfig:
         """Pages one sequence of a sliding-window layer holds at most (no sinks there): the pages its window can
         reach beyond the residual window, the partly filled one, and one taken by a flush before the step's
         release (:meth:`~kivi_cache.layer.QuantizedPagedLayer._release_hidden_pages`); never more than a
-        full-attention layer's :meth:`pages_per_sequence`. (A prompt stored in chunks writes each chunk before
-        releasing: it may need more for a moment, and the pool then grows.)"""
+        full-attention layer's :meth:`pages_per_sequence`. (A prompt stored in chunks, or assisted decoding's
+        candidates, keep what the chunk's first query sees until the next step, so that crop can take the chunk
+        back: they may need more, and the pool then grows.)"""
         _check_int("window", window, 1)
         full = replace(self, sink_length=0).pages_per_sequence(max_len)
         return min(full, -(-max(0, window - self.residual_length) // self.page_size) + 2)

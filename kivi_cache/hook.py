@@ -54,11 +54,14 @@ def _pattern(module, kwargs) -> tuple[bool, int | None]:
     causal, or causal within a window held by the module (Gemma, Qwen2) or passed as an argument (Mistral, Mixtral,
     Phi3, Starcoder2), which hides a key from a query once they are ``window`` positions apart (transformers'
     ``sliding_window_overlay``: visible while ``q - k < window``)."""
-    window = getattr(module, "sliding_window", None)
-    if window is None:
-        window = kwargs.get("sliding_window")
     layer_type = _layer_type(module)
-    if layer_type not in (None, "full_attention") and not (layer_type == "sliding_attention" and window is not None):
+    if layer_type == "full_attention":
+        # the config's pattern builds this layer's mask without a window, whatever the module holds (EXAONE 4 keeps
+        # config.sliding_window on its global layers too and passes sliding_window=None for them)
+        return True, None
+    # the argument, where the model passes one (what flash attention reads), else the module's attribute
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    if layer_type is not None and not (layer_type == "sliding_attention" and window is not None):
         return False, None  # chunked attention and anything else that only the mask describes
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         return False, None  # not a window size we know how to read

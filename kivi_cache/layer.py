@@ -56,7 +56,14 @@ class QuantizedPagedLayer(CacheLayerMixin):
         # the model layer's sliding window (None: full attention), learned from the attention hook
         # (use_sliding_window); the layer then keeps no sink tokens
         self.sliding_window: int | None = None
+        # transformers' past recording (assisted decoding): a sliding-window layer then writes every token of a step
+        # (no skipped pages), so that crop can take back any of the last step's tokens
+        self.record_past = False
         self._clear_sequences()
+
+    def activate_past_recording(self) -> None:
+        """transformers' hook before a generation that crops (assisted decoding): see ``record_past``."""
+        self.record_past = True
 
     def use_sliding_window(self, window: int) -> bool:
         """Serve this layer as sliding-window attention of ``window`` positions (its module says so at every step).
@@ -199,42 +206,55 @@ class QuantizedPagedLayer(CacheLayerMixin):
         k, v = step.key, step.value
         if valid is None and k.shape[2] == 1:
             return self._append_one(k, v, defer_write)
+        # the stored index of each sequence's first new token: the step's first query (a sliding-window layer keeps
+        # what it sees, so that crop may take the step's tokens back: assisted decoding's rejected candidates)
+        first = [q + r for q, r in zip(self.q_lens, self.r_lens, strict=True)] if self.sliding_window else None
         self._append_chunk(k, v, valid)
-        if self.sliding_window is not None:
-            self._release_hidden_pages()
+        if first is not None:
+            self._release_hidden_pages(first)
         return False
 
     # ------------------------------------------------------- sliding window: pages no query can see again
     def _hidden_prefix(self, q: int, c: int, r: int) -> int:
         """Of ``c`` tokens about to be quantized after a sequence's ``q`` (page-aligned), leaving ``r`` in the window:
-        how many (whole pages) no query will see, so need not be written (a long prompt on a sliding-window layer)."""
+        how many (whole pages) no later query will see, so need not be written (a long prompt on a sliding-window
+        layer). None while the cache records its past (transformers' ``activate_past_recording``, assisted decoding):
+        ``crop`` may then take back any of the step's tokens, and those of its first queries see them."""
         w, p = self.sliding_window, self.cfg.page_size
-        if w is None or q % p:
+        if w is None or q % p or self.record_past:
             return 0
         dead = min(q + c, q + c + r - w) // p * p
         return max(0, dead - q)
 
     def _skip_hidden(self, i: int, skip: int) -> None:
-        """Sequence ``i``'s next ``skip`` quantized tokens (whole pages) are not stored: zero-page entries."""
-        self.tables[i].extend([self.pool.zero_page()] * (skip // self.cfg.page_size))
+        """Sequence ``i``'s next ``skip`` quantized tokens (whole pages) are not stored: zero-page entries (the
+        earlier pages are hidden too: no later query sees them either)."""
+        self._hide(i, (self.q_lens[i] + skip) // self.cfg.page_size)
         self.q_lens[i] += skip
 
-    def _release_hidden_pages(self) -> None:
-        """Release the whole pages of a sliding-window layer that every later query's window starts after: the
-        current query (the newest stored token, index ``n - 1``) sees indices ``>= n - window``, later ones more
-        recent. Their entries then point at the pool's zero page."""
-        w, p, pool = self.sliding_window, self.cfg.page_size, self.pool
+    def _hide(self, i: int, dead: int) -> bool:
+        """Point sequence ``i``'s first ``dead`` table entries at the zero page, releasing their pages (entries
+        past the table's end are added: a prompt's skipped pages). Returns whether anything changed."""
+        h = self.hidden[i]
+        if dead <= h:
+            return False
+        table, pool = self.tables[i], self.pool
+        pool.release([page for page in table[h:dead] if page != pool.zero])  # first: the zero page may reuse one
+        table[h:dead] = [pool.zero_page()] * (dead - h)
+        self.hidden[i] = dead
+        return True
+
+    def _release_hidden_pages(self, first: list[int] | None = None) -> None:
+        """Release the whole pages of a sliding-window layer that the step's queries and every later one's window
+        starts after: a query at stored index ``t`` sees indices ``> t - window``; the step's first query is at
+        ``first[i]`` (None: a one-token step, the newest stored token). Their entries then point at the pool's zero
+        page. Keeping what the step's first query sees lets ``crop`` take back the step's tokens."""
+        w, p = self.sliding_window, self.cfg.page_size
         changed = False
         for i in range(self.batch_size):
             q = self.q_lens[i]
-            dead = max(0, min(q, q + self.r_lens[i] - w)) // p
-            h = self.hidden[i]
-            if dead > h:
-                table, zero = self.tables[i], pool.zero_page()
-                pool.release([page for page in table[h:dead] if page != zero])
-                table[h:dead] = [zero] * (dead - h)
-                self.hidden[i] = dead
-                changed = True
+            t = q + self.r_lens[i] - 1 if first is None else first[i]
+            changed |= self._hide(i, max(0, min(q, t + 1 - w)) // p)
         if changed:
             self._dev = None
 
@@ -677,11 +697,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
         w = self.sliding_window
         for i in range(self.batch_size):  # checked before anything changes
             kept = self.q_lens[i] + self.r_lens[i] - min(remove, self.q_lens[i] + self.r_lens[i])
-            if self.hidden[i] and self.hidden[i] * p > kept - w:
+            # the next query (stored index kept) sees indices > kept - w
+            if self.hidden[i] and self.hidden[i] * p > kept + 1 - w:
                 raise ValueError(
                     f"crop({tokens_to_remove}) would bring tokens back into the sliding window ({w}) of a layer that "
                     f"released their pages (sequence {i}: {self.hidden[i] * p} released, {kept} would stay); "
-                    f"crop by at most {self.q_lens[i] + self.r_lens[i] - self.hidden[i] * p - w} tokens here")
+                    f"crop by at most {self.q_lens[i] + self.r_lens[i] + 1 - self.hidden[i] * p - w} tokens here")
         for i in range(self.batch_size):
             q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
             drop = min(remove, q + r)  # newest first: window tokens, then pages, then sinks

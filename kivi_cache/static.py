@@ -129,6 +129,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     def _to_static(self) -> None:
         """After the prompt: fixed pages for every sequence, state as device tensors."""
         maxp = self._pages_per_sequence()
+        # exactly the pages missing (a sliding-window layer dropped its sinks after lazy_initialization sized the
+        # pool: a sequence then has more whole groups; allocate() would grow the pool by 1/8 or 16 pages)
+        missing = sum(max(0, maxp - len(table)) for table in self.tables) - len(self.pool.free)
+        if missing > 0:
+            self.pool._grow(self.pool.capacity + missing)
         for table in self.tables:
             while len(table) < maxp:
                 table.append(self.pool.allocate())

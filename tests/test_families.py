@@ -286,6 +286,9 @@ SLIDING = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=24,
                                                       max_window_layers=1)),
+    # every module holds the window, the global layers too (which pass sliding_window=None)
+    "exaone4": lambda: T.Exaone4ForCausalLM(T.Exaone4Config(**SMALL, head_dim=32, sliding_window=24,
+                                                            layer_types=["sliding_attention", "full_attention"])),
 }
 SLIDING_PAGED = dict(key_bits=8, value_bits=8, group_size=16, residual_length=8, page_size=16)
 
@@ -329,6 +332,21 @@ def test_sliding_window_models_are_served_from_the_pages(monkeypatch, family):
     _, fallback_logits = _generate(model, ids, mask, QuantizedPagedCache(**SLIDING_PAGED), n=24)
     assert calls  # now every step took the fallback
     torch.testing.assert_close(served_logits, fallback_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_global_layers_of_a_model_whose_modules_all_hold_the_window():
+    """EXAONE 4 sets ``sliding_window`` on every attention module, its global (full-attention) layers too, and
+    passes ``sliding_window=None`` for those: they are full attention (before, the hook read the module's attribute
+    and windowed them: logits 124% off DynamicCache's). Nothing quantized: the logits equal DynamicCache's."""
+    torch.manual_seed(0)
+    model = SLIDING["exaone4"]().eval()
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(1))
+    ref_seq, ref_logits = _generate(model, ids, None, DynamicCache())
+    cache = QuantizedPagedCache(**NO_QUANT)
+    seq, logits = _generate(model, ids, None, cache)
+    assert [layer.sliding_window for layer in cache.layers] == [24, None]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
@@ -415,22 +433,89 @@ def test_sliding_window_layers_release_the_pages_no_query_sees(monkeypatch):
     assert torch.equal(beams(), fb_beams)
 
 
-def test_crop_refuses_to_bring_released_tokens_back():
-    """``crop`` on a sliding-window layer that released pages: allowed while the window stays clear of them, a
-    ValueError naming the limit (and nothing changed) where the next query would need released tokens."""
+def test_crop_refuses_to_bring_released_tokens_back(monkeypatch):
+    """``crop`` on a sliding-window layer that released pages: allowed while the window stays clear of them (up to
+    the limit: the next query, at the kept length, sees the last 24 stored indices, and its logits equal the
+    fallback's over the same history), a ValueError naming the limit (and nothing changed) past it."""
+    from kivi_cache import hook
+
     torch.manual_seed(0)
     model = SLIDING["mistral"]().eval()
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(4))
     cache = QuantizedPagedCache(**SLIDING_PAGED)
-    _generate(model, torch.randint(3, 128, (1, 100)), None, cache, n=4)
+    seq, _ = _generate(model, ids, None, cache, n=4)
     layer = cache.layers[0]
     assert layer.hidden[0] > 0
-    limit = layer.q_lens[0] + layer.r_lens[0] - layer.hidden[0] * SLIDING_PAGED["page_size"] - 24
+    limit = layer.q_lens[0] + layer.r_lens[0] + 1 - layer.hidden[0] * SLIDING_PAGED["page_size"] - 24
+    assert limit > 0
     before = (list(layer.tables[0]), layer.q_lens[:], layer.r_lens[:], layer.seen)
     with pytest.raises(ValueError, match=f"crop by at most {limit} tokens"):
         cache.crop(-(limit + 1))
     assert (layer.tables[0], layer.q_lens, layer.r_lens, layer.seen) == before
     cache.crop(-limit)
     assert layer.seen == before[3] - limit
+    nxt = seq[:, layer.seen:layer.seen + 1]
+    with torch.no_grad():
+        logits = model(nxt, **cache_kwargs(model, cache)).logits
+    monkeypatch.setattr(hook, "_pattern", lambda module, kwargs: (False, None))
+    fallback = QuantizedPagedCache(**SLIDING_PAGED)
+    _generate(model, ids, None, fallback, n=4)
+    fallback.crop(-limit)
+    with torch.no_grad():
+        ref = model(nxt, **cache_kwargs(model, fallback)).logits
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_assisted_decoding_with_a_sliding_window_model(monkeypatch):
+    """Assisted decoding stores the candidates as a chunk and crops the rejected ones: a sliding-window layer keeps
+    the pages its chunk's first query sees, so crop can take any of the chunk back (before, it had released pages
+    by the chunk's last token and crop(-1) raised). The tokens equal the fallback's over the same storage."""
+    from kivi_cache import hook
+
+    torch.manual_seed(0)
+    model = SLIDING["mistral"]().eval()
+    torch.manual_seed(1)
+    assistant = SLIDING["mistral"]().eval()
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(40))
+
+    def run():
+        cache = QuantizedPagedCache(**SLIDING_PAGED)
+        with torch.no_grad():
+            out = model.generate(ids, **cache_kwargs(model, cache), assistant_model=assistant, max_new_tokens=20,
+                                 min_new_tokens=20, do_sample=False, pad_token_id=0, num_assistant_tokens=6,
+                                 num_assistant_tokens_schedule="constant")
+        return out, cache
+
+    served, cache = run()
+    assert cache.layers[0].hidden[0] > 0
+    monkeypatch.setattr(hook, "_pattern", lambda module, kwargs: (False, None))
+    assert torch.equal(served, run()[0])
+
+
+def test_past_recording_keeps_a_prompts_pages_for_crop():
+    """transformers' ``activate_past_recording`` (assisted decoding, before its first forward: the prompt plus the
+    first candidates): a sliding-window layer then writes all of a prompt's pages (none skipped), so crop can take
+    back any of its tokens; without it the prompt's hidden pages are never written and such a crop is refused."""
+    torch.manual_seed(0)
+    model = SLIDING["mistral"]().eval()
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5))
+    for record in (False, True):
+        cache = QuantizedPagedCache(**SLIDING_PAGED)
+        if record:
+            cache.activate_past_recording()
+        with torch.no_grad():
+            model(ids, **cache_kwargs(model, cache))
+        assert all(layer.record_past == record for layer in cache.layers)
+        if not record:
+            with pytest.raises(ValueError, match="would bring tokens back"):
+                cache.crop(-30)
+            continue
+        cache.crop(-30)
+        with torch.no_grad():
+            logits = model(ids[:, 70:71], **cache_kwargs(model, cache)).logits
+    with torch.no_grad():
+        ref = model(ids[:, :71], **cache_kwargs(model, QuantizedPagedCache(**SLIDING_PAGED))).logits[:, -1:]
+    torch.testing.assert_close(logits, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_config_sizes_the_pools_of_sliding_layers():

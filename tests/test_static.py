@@ -409,3 +409,19 @@ def test_static_sliding_window_matches_the_eager_cache_and_compiles():
     torch._dynamo.reset()
     compiled, _ = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), 20)
     assert torch.equal(eager_logits, compiled)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_static_sliding_pool_is_allocated_exactly(chunk):
+    """A sliding-window layer drops its sink tokens when the hook learns its window, after lazy_initialization sized
+    the pool with them: a sequence then holds one more group. The fixed pages of every sequence are allocated
+    exactly (before, the end of the prompt grew the pool by 16 pages or 1/8 of it: 22 pages where 8 are used)."""
+    model = _mistral()
+    ids = torch.randint(3, 128, (2, 40 if chunk else 20), generator=torch.Generator().manual_seed(3))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG), prefill_chunk_size=chunk)
+    cache = StaticQuantizedPagedCache(model, 128, **CFG)
+    assert torch.equal(_generate(model, ids, cache, prefill_chunk_size=chunk), ref)
+    per_sequence = QuantConfig(**dict(CFG, sink_length=0)).pages_per_sequence(128)
+    for layer in cache.layers:
+        assert layer.cfg.sink_length == 0 and [len(t) for t in layer.tables] == [per_sequence] * 2
+        assert layer.pool.capacity == layer.pool.pages_in_use == 2 * per_sequence + (layer.pool.zero is not None)
