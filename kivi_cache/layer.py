@@ -218,7 +218,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _hidden_prefix(self, q: int, c: int, r: int) -> int:
         """Of ``c`` tokens about to be quantized after a sequence's ``q`` (page-aligned), leaving ``r`` in the window:
         how many (whole pages) no later query will see, so need not be written (a long prompt on a sliding-window
-        layer). None while the cache records its past (transformers' ``activate_past_recording``, assisted decoding):
+        layer). 0 while the cache records its past (transformers' ``activate_past_recording``, assisted decoding):
         ``crop`` may then take back any of the step's tokens, and those of its first queries see them."""
         w, p = self.sliding_window, self.cfg.page_size
         if w is None or q % p or self.record_past:
@@ -226,11 +226,18 @@ class QuantizedPagedLayer(CacheLayerMixin):
         dead = min(q + c, q + c + r - w) // p * p
         return max(0, dead - q)
 
-    def _skip_hidden(self, i: int, skip: int) -> None:
-        """Sequence ``i``'s next ``skip`` quantized tokens (whole pages) are not stored: zero-page entries (the
-        earlier pages are hidden too: no later query sees them either)."""
-        self._hide(i, (self.q_lens[i] + skip) // self.cfg.page_size)
-        self.q_lens[i] += skip
+    def _skip_hidden(self, seqs, q: int, r: int, groups):
+        """The ``groups`` (keys, values; token axis -2) about to be quantized for sequences ``seqs``, each holding
+        ``q`` quantized tokens, less their leading whole pages that no later query will see (:meth:`_hidden_prefix`):
+        those are not stored but become zero-page entries (the earlier pages are hidden too). None if nothing is
+        left to write."""
+        skip = self._hidden_prefix(q, groups[0].shape[-2], r)
+        if skip:
+            for i in seqs:
+                self._hide(i, (q + skip) // self.cfg.page_size)
+                self.q_lens[i] += skip
+            groups = (groups[0][..., skip:, :], groups[1][..., skip:, :])
+        return groups if groups[0].shape[-2] else None
 
     def _hide(self, i: int, dead: int) -> bool:
         """Point sequence ``i``'s first ``dead`` table entries at the zero page, releasing their pages (entries
@@ -379,13 +386,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if valid is None and self._uniform():  # the whole batch at once (a prompt or chunk without padding)
             s, r, groups = self._window_append(slice(None), self.r_lens[0], k, v)
             if groups is not None:
-                skip = self._hidden_prefix(self.q_lens[0], groups[0].shape[-2], r)
-                if skip:
-                    for i in range(self.batch_size):
-                        self._skip_hidden(i, skip)
-                    groups = (groups[0][..., skip:, :], groups[1][..., skip:, :])
-                if groups[0].shape[-2]:
-                    self._write_batch(*groups)
+                groups = self._skip_hidden(range(self.batch_size), self.q_lens[0], r, groups)
+            if groups is not None:
+                self._write_batch(*groups)
             self.sinks = [s] * self.batch_size
             self.r_lens = [r] * self.batch_size
             self._dev = None
@@ -400,12 +403,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self.pads[i] += n_new - nk.shape[1]
             self.sinks[i], self.r_lens[i], groups = self._window_append(i, self.r_lens[i], nk, nv)
             if groups is not None:
-                skip = self._hidden_prefix(self.q_lens[i], groups[0].shape[-2], self.r_lens[i])
-                if skip:
-                    self._skip_hidden(i, skip)
-                    groups = (groups[0][..., skip:, :], groups[1][..., skip:, :])
-                if groups[0].shape[-2]:
-                    items.append((i, *groups))
+                groups = self._skip_hidden((i,), self.q_lens[i], self.r_lens[i], groups)
+            if groups is not None:
+                items.append((i, *groups))
         self._write_groups(items)
         self._dev = None
 
