@@ -84,9 +84,8 @@ def _served(dropout, kwargs) -> bool:
 def _refuse_learned_sinks(module, kwargs) -> None:
     """Learned attention sinks (GPT-OSS's ``s_aux``: a logit per head in every softmax) are not computed by sdpa,
     which drops the argument: a model that passes them was never meant to run on sdpa (GPT-OSS declares no sdpa
-    support), but ``attn_implementation="kivi"`` would have run it there, silently wrong (logits ~60% off)."""
-    if kwargs.get("s_aux") is None and kwargs.get("sinks") is None:
-        return
+    support), but ``attn_implementation="kivi"`` would have run it there, silently wrong (logits ~60% off). The
+    caller checks that the model passed them."""
     d = getattr(module, "__dict__", _EMPTY)
     impl = getattr(d.get("config"), "_attn_implementation", None)
     if impl == NAME:
