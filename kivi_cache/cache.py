@@ -115,10 +115,11 @@ class QuantizedPagedCache(Cache):
                 self.layers[-1].activate_past_recording()
         return self.layers[layer_idx].update(key_states, value_states)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """transformers calls it before assisted decoding, which crops rejected candidates after each step: the
         sliding-window layers then store every token of a step (also those no later query sees), so that crop can
-        take any of them back. Layers made later (this cache fills them lazily) record too."""
+        take any of them back. Layers made later (this cache fills them lazily) record too. Keyword arguments (5.25
+        passes ``recurrent_states_to_keep``, for state-space layers, which this cache has none of) are ignored."""
         self._record_past = True
         for layer in self.layers:
             layer.activate_past_recording()

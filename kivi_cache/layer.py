@@ -61,8 +61,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.record_past = False
         self._clear_sequences()
 
-    def activate_past_recording(self) -> None:
-        """transformers' hook before a generation that crops (assisted decoding): see ``record_past``."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """transformers' hook before a generation that crops (assisted decoding): see ``record_past``. (Keyword
+        arguments, such as 5.25's ``recurrent_states_to_keep`` for recurrent layers, do not apply.)"""
         self.record_past = True
 
     def use_sliding_window(self, window: int) -> bool:
