@@ -258,6 +258,11 @@ class QuantizedPagedLayer(CacheLayerMixin):
         ``first[i]`` (None: a one-token step, the newest stored token). Their entries then point at the pool's zero
         page. Keeping what the step's first query sees lets ``crop`` take back the step's tokens."""
         w, p = self.sliding_window, self.cfg.page_size
+        if first is None and self.hidden and _all_equal(self.hidden) and _all_equal(self.q_lens) and _all_equal(
+                self.r_lens):  # a decode step of an unpadded batch: one answer for all (most flushes release nothing)
+            q = self.q_lens[0]
+            if max(0, min(q, q + self.r_lens[0] - w)) // p <= self.hidden[0]:
+                return
         changed = False
         for i in range(self.batch_size):
             q = self.q_lens[i]
