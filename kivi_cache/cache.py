@@ -26,22 +26,16 @@ def _layer_windows(config) -> list:
     return [window if getattr(text, "use_sliding_window", True) else None] * n
 
 
-def _check_model_config(config, sliding: bool = True, name: str = "QuantizedPagedCache") -> None:
-    """Refuse model configurations whose attention the cache would get wrong (``sliding=False``: also sliding
-    windows, for the static cache)."""
+def _check_model_config(config) -> None:
+    """Refuse model configurations whose attention the cache would get wrong: layer types other than full and
+    sliding-window attention."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text, "layer_types", None) or []
-    allowed = ("full_attention", "sliding_attention") if sliding else ("full_attention",)
-    unsupported = sorted({t for t in layer_types if t not in allowed})
+    allowed = ("full_attention", "sliding_attention")
+    unsupported = sorted({t for t in getattr(text, "layer_types", None) or [] if t not in allowed})
     if unsupported:
         raise ValueError(
-            f"{name} supports models whose layers are {' or '.join(repr(a) for a in allowed)}; this config has "
-            f"layer_types {unsupported}. Use transformers' DynamicCache for this model.")
-    if (not sliding and getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
-            and not layer_types):
-        raise ValueError(
-            f"{name} does not support sliding-window attention (sliding_window={text.sliding_window}); use "
-            f"QuantizedPagedCache or transformers' DynamicCache for this model.")
+            f"QuantizedPagedCache supports models whose layers are 'full_attention' or 'sliding_attention'; this "
+            f"config has layer_types {unsupported}. Use transformers' DynamicCache for this model.")
 
 
 class QuantizedPagedCache(Cache):

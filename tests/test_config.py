@@ -66,21 +66,14 @@ def test_backend_name_validated():
 
 
 def test_model_configs_checked_up_front():
-    """Sliding-window models are served (the hook reads each layer's window); chunked attention is refused, and so
-    are sliding windows by the static cache (its compiled step reads every page)."""
+    """Sliding-window models are served (the hook reads each layer's window); chunked attention is refused."""
     from transformers import Llama4TextConfig, MistralConfig, Qwen2Config
-
-    from kivi_cache.cache import _check_model_config
 
     mixed = Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=2)
     for cfg in (MistralConfig(sliding_window=64), mixed, Qwen2Config(num_hidden_layers=2)):
         QuantizedPagedCache(config=cfg)
     with pytest.raises(ValueError, match="chunked_attention"):
         QuantizedPagedCache(config=Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=16))
-    with pytest.raises(ValueError, match="does not support sliding-window attention"):
-        _check_model_config(MistralConfig(sliding_window=64), sliding=False)
-    with pytest.raises(ValueError, match="layer_types"):
-        _check_model_config(mixed, sliding=False)
 
 
 @pytest.mark.parametrize("kw,msg", [
