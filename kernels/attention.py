@@ -257,7 +257,7 @@ def _decode_split_kernel(
     kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
     rk_ptr, rv_ptr, rlen_ptr,
     m_ws, l_ws, o_ws,
-    nk_ptr, nv_ptr, out_ptr, cnt_ptr,
+    nk_ptr, nv_ptr, out_ptr, cnt_ptr, sink_ptr,
     qk_scale, Hkv, NS, RCH, SWIN,
     s_qb, s_qh, s_btb,
     s_kcp, s_kch, s_ksp, s_ksh, s_ksg,
@@ -274,6 +274,7 @@ def _decode_split_kernel(
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
     SRCMIN: tl.constexpr = EXACT,  # codes read in place from this mantissa bit up (unpack.field; EXACT: top only)
     SLIDING: tl.constexpr = 0,  # sliding-window attention: only the last SWIN stored tokens are seen
+    SINK: tl.constexpr = 0,  # MERGE: learned attention sinks, one logit per query head at sink_ptr (natural log)
 ):
     """One key group (G tokens) per iteration. Codes are loaded as int32 words ``[G, words]``
     (``kw_ptr``/``vw_ptr`` are int32 views of the code pools, strides in words) and dequantized in
@@ -532,7 +533,8 @@ def _decode_split_kernel(
         tl.debug_barrier()
         prev = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if prev == NSP - 1:
-            _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, b64 * s_ob, s_oh, NSP, GP, D, BM, BSM)
+            _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, b64 * s_ob, s_oh, NSP, GP, D, BM, BSM,
+                        sink_ptr, SINK)
             tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
@@ -550,7 +552,7 @@ def _merge_chunk(m_ws, o_ws, base, m_safe, gmask, s0, NSP1, D: tl.constexpr, BSM
 
 @triton.jit
 def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, GP: tl.constexpr, D: tl.constexpr,
-                BM: tl.constexpr, BSM: tl.constexpr):
+                BM: tl.constexpr, BSM: tl.constexpr, sink_ptr, SINK: tl.constexpr):
     """The split kernel's in-place merge (MERGE): rows ``row`` ``[GP]`` (query heads ``hq`` of one sequence and KV
     head) from their ``NSP1`` (<= BM) partials, as :func:`_decode_reduce_kernel` does for one row."""
     base = row * NSP1
@@ -559,8 +561,13 @@ def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, 
     m_all = tl.load(m_ws + base[:, None] + offs_s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
     l_all = tl.load(l_ws + base[:, None] + offs_s[None, :], mask=ok, other=0.0, cache_modifier=".cg")
     m_max = tl.max(m_all, axis=1)
+    if SINK:  # one more softmax term per query head, on no value: in the maximum and the sum only
+        sink = tl.load(sink_ptr + hq, mask=gmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_sum = tl.sum(tl.exp2(m_all - m_safe[:, None]) * l_all, axis=1)
+    if SINK:
+        l_sum += tl.exp2(sink - m_safe)
     offs_d = tl.arange(0, D)
     acc = tl.zeros([GP, D], tl.float32)
     if BM <= 16:  # a few partials: the loop unrolled (its loads issued together)
@@ -575,11 +582,13 @@ def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, 
 
 
 @triton.jit
-def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
-                          D: tl.constexpr, DB: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
+def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, sink_ptr, NSP1, s_ob, s_oh, Hq,
+                          D: tl.constexpr, DB: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+                          SINK: tl.constexpr = 0):
     """Program (row, dc): channels ``[dc * DB, (dc + 1) * DB)`` of one (sequence, query head).
     The global max and the sum of weights come from one load of all ``NSP1`` (<= BM) partial maxima,
-    so the accumulation loop has no running rescale and its loads do not wait on each other."""
+    so the accumulation loop has no running rescale and its loads do not wait on each other. ``SINK``: the query
+    head's learned sink logit (``sink_ptr[hq]``, natural log) joins the maximum and the sum, on no value."""
     row = tl.program_id(0).to(tl.int64)
     dc = tl.program_id(1)
     b = row // Hq
@@ -590,8 +599,13 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     m_all = tl.load(m_ws + base + offs_m, mask=ok_m, other=float("-inf"))
     l_all = tl.load(l_ws + base + offs_m, mask=ok_m, other=0.0)
     m_max = tl.max(m_all, axis=0)
+    if SINK:
+        sink = tl.load(sink_ptr + hq).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_sum = tl.sum(tl.exp2(m_all - m_safe) * l_all, axis=0)
+    if SINK:
+        l_sum += tl.exp2(sink - m_safe)
     offs_d = dc * DB + tl.arange(0, DB)
     acc = tl.zeros([DB], tl.float32)
     for s0 in range(0, NSP1, BS):
@@ -604,23 +618,25 @@ def _decode_reduce_kernel(m_ws, l_ws, o_ws, out_ptr, NSP1, s_ob, s_oh, Hq,
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def _reduce_launch(rows: int, nsp1: int, d: int):
+def _reduce_launch(rows: int, nsp1: int, d: int, sink: bool = False):
     """Grid and compile-time settings of the merge kernel. Grid ``(B * Hq, D / DB)``: batch 1 still gets
     ``Hq * D / 32`` programs (one per row was 32 serial programs at batch 1, each looping over hundreds of
     splits). 32-channel programs while rows are few (batch 1: 16.8 -> 4.0 us at 257 splits); whole rows from
     512 rows on (1024 rows x 13 splits: 6.8 us split, 5.6 whole; eval/results/reduce_probe.json)."""
     db = min(d, 32) if rows < 512 else d
     bs = max(1, min(triton.next_power_of_2(nsp1), 4096 // db))
-    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4)
+    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4, **({"SINK": 1} if sink else {}))
     return (rows, d // db), meta
 
 
-def decode_reduce(ws_m, ws_l, ws_o, out, hq: int) -> None:
+def decode_reduce(ws_m, ws_l, ws_o, out, hq: int, sink_logits=None) -> None:
     """Merge ``ws_*`` (``[B * Hq, NS + NR(, D)]`` fp32 partial max / sum / output: NS paged splits, NR window
-    chunks) into ``out`` ``[B, Hq, D]``."""
+    chunks) into ``out`` ``[B, Hq, D]``; ``sink_logits`` ``[Hq]``: learned attention sinks (one more softmax term per
+    query head, on no value)."""
     rows, nsp1, d = ws_o.shape
-    grid, meta = _reduce_launch(rows, nsp1, d)
-    _decode_reduce_kernel[grid](ws_m, ws_l, ws_o, out, nsp1, out.stride(0), out.stride(1), hq, **meta)
+    grid, meta = _reduce_launch(rows, nsp1, d, sink_logits is not None)
+    _decode_reduce_kernel[grid](ws_m, ws_l, ws_o, out, ws_m if sink_logits is None else sink_logits, nsp1,
+                                out.stride(0), out.stride(1), hq, **meta)
 
 
 def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
@@ -790,7 +806,8 @@ class _DecodePlan:
                  "pairs", "counters")
 
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
-                 value_bits, group_size, num_splits, force_half_dot, plain, newkv=False, sliding_window=None):
+                 value_bits, group_size, num_splits, force_half_dot, plain, newkv=False, sliding_window=None,
+                 sink=False):
         bsz, hq, d = q.shape
         _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
         np_, hkv, p, _ = k_codes.shape
@@ -847,7 +864,7 @@ class _DecodePlan:
                      kw.stride(1),
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
-        self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d)
+        self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, sink)
         # the split kernel merges its own partials (no merge kernel) where a pair has at most MERGE_MAX of them (one
         # one-warp program merges them all: measured GPU time +16 us at 129-132 partials (split 16.8 + merge kernel 2.8
         # -> 35.4 us at batch 1 x 8 KV heads x 32k, eval/results/merge_tail_s14e.json), hidden behind the host in eager)
@@ -861,7 +878,8 @@ class _DecodePlan:
         bm = triton.next_power_of_2(self.nsp1)
         if ((fuse == "1" or (fuse == "auto" and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= merge_max
                 and gp * bm <= 1024):  # the merging program holds all [GP, BM] partial maxima and sums in registers
-            self.merge_meta = dict(self.meta, MERGE=1, BM=bm, BSM=max(1, min(bm, 2048 // (gp * d))))
+            self.merge_meta = dict(self.meta, MERGE=1, BM=bm, BSM=max(1, min(bm, 2048 // (gp * d))),
+                                   **({"SINK": 1} if sink else {}))
         self.pairs, self.counters = bsz * hkv, {}  # MERGE: arrival counts per stream, zero between calls
         self.final = interp or rkey in _RESIDENT  # else: planned again once the kernel's residency is known
 
@@ -885,7 +903,7 @@ def _check_new_token(new_k, new_v, q, res_k, res_v):
 
 def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
               out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v,
-              sliding_window=None):
+              sliding_window=None, sink_logits=None):
     return (out.stride(), q.device, q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
             block_table.dtype, lengths.shape, lengths.dtype, res_lengths.shape, res_lengths.dtype, k_codes.shape,
             k_codes.stride(), k_codes.dtype, k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.shape,
@@ -894,7 +912,7 @@ def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scal
             v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype, res_v.shape, res_v.stride(),
             res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
             None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env(),
-            sliding_window)
+            sliding_window, None if sink_logits is None else (sink_logits.dtype, sink_logits.stride()))
 
 
 _SHARED_WS: dict = {}  # (device index, stream, floats) -> the workspace that DecodeRunners launching there share
@@ -934,33 +952,38 @@ def _counts(plan: _DecodePlan, device):
 
 
 # positions in _split_args' tuple of the tensors that change from call to call (DecodeRunner fills them in)
-_A_Q, _A_RLEN, _A_WSM, _A_WSL, _A_WSO, _A_NK, _A_NV, _A_OUT, _A_CNT = 0, 11, 12, 13, 14, 15, 16, 17, 18
+_A_Q, _A_RLEN, _A_WSM, _A_WSL, _A_WSO, _A_NK, _A_NV, _A_OUT, _A_CNT, _A_SINK = 0, 11, 12, 13, 14, 15, 16, 17, 18, 19
 
 
 def _split_args(plan, q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
-                res_lengths, ws_m, ws_l, ws_o, new_k, new_v, out, cnt, sm_scale) -> tuple:
-    """The split kernel's runtime arguments, in its parameter order."""
+                res_lengths, ws_m, ws_l, ws_o, new_k, new_v, out, cnt, sm_scale, sink_logits=None) -> tuple:
+    """The split kernel's runtime arguments, in its parameter order (placeholders for the pointers it does not
+    read: the window for a missing step token, the window lengths for the merge's counts, the sequence lengths for
+    missing sink logits)."""
     return (q, block_table, lengths, k_codes.view(torch.int32), k_scale, k_zero, v_codes.view(torch.int32), v_scale,
             v_zero, res_k, res_v, res_lengths, ws_m, ws_l, ws_o,
-            res_k if new_k is None else new_k, res_v if new_k is None else new_v, out, cnt, float(sm_scale) * LOG2E,
+            res_k if new_k is None else new_k, res_v if new_k is None else new_v, out, cnt,
+            lengths if sink_logits is None else sink_logits, float(sm_scale) * LOG2E,
             *plan.ints,
             *((0, 0, 0, 0) if new_k is None else (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))),
             out.stride(0), out.stride(1))
 
 
-def _reduce_args(plan, ws_m, ws_l, ws_o, out, hq: int) -> tuple:
-    return (ws_m, ws_l, ws_o, out, plan.nsp1, out.stride(0), out.stride(1), hq)
+def _reduce_args(plan, ws_m, ws_l, ws_o, out, hq: int, sink_logits=None) -> tuple:
+    return (ws_m, ws_l, ws_o, out, ws_m if sink_logits is None else sink_logits, plan.nsp1, out.stride(0),
+            out.stride(1), hq)
 
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, num_splits: int | None = None, out=None, new_k=None, new_v=None,
-                           merge: bool = True, sliding_window: int | None = None, _force_half_dot: bool = False,
-                           _plain: bool = False):
+                           merge: bool = True, sliding_window: int | None = None, sink_logits=None,
+                           _force_half_dot: bool = False, _plain: bool = False):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
 
     ``sliding_window``: attention over the last ``sliding_window`` stored tokens only (the splits share only the pages
-    holding them; the others are not read).
+    holding them; the others are not read). ``sink_logits`` (``[Hq]``): learned attention sinks, added where the
+    partials are merged (the split kernel's loop is the same).
 
     ``new_k``/``new_v`` (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``): the step's own token, which the kernel writes into the
     window at ``res_lengths[b] - 1`` (the lengths already count it) before attending (the cache's decode step then
@@ -983,6 +1006,10 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     _util.checks().check_sliding_window(sliding_window)
+    if sink_logits is not None:
+        _util.checks().check_sink_logits(sink_logits, q)
+        if sink_logits.stride(-1) != 1:
+            sink_logits = sink_logits.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
     if new_k is not None:
@@ -1004,7 +1031,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         raise ValueError("out must be [B, Hq, D] in q's dtype with a contiguous last dimension")
     key = _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
                     res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain, new_k,
-                    new_v, sliding_window)
+                    new_v, sliding_window, sink_logits)
     plan = _PLANS.get(key)
     if plan is None:  # shapes, dtypes and devices: once per key (their values below, where that needs no sync)
         pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
@@ -1012,7 +1039,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                                        group_size, values=False)
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                            value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None,
-                           sliding_window)
+                           sliding_window, sink_logits is not None)
         if plan.final:
             if len(_PLANS) > 4096:  # shapes seen by a long-lived process: keep the cache bounded
                 _PLANS.clear()
@@ -1027,11 +1054,12 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     fast_key = (key, merge) if plan.final else None
     kernel = _SPLIT(fast_key, plan.grid, _split_args(
         plan, q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
-        ws_m, ws_l, ws_o, new_k, new_v, out, cnt, sm_scale), plan.merge_meta if merge else plan.meta)
+        ws_m, ws_l, ws_o, new_k, new_v, out, cnt, sm_scale, sink_logits), plan.merge_meta if merge else plan.meta)
     if not plan.final:
         _RESIDENT.setdefault(plan.rkey, _resident_of(kernel, q.device) or RESIDENT_DEFAULT)
     if not merge:
-        _REDUCE(fast_key, plan.reduce_grid, _reduce_args(plan, ws_m, ws_l, ws_o, out, hq), plan.reduce_meta)
+        _REDUCE(fast_key, plan.reduce_grid, _reduce_args(plan, ws_m, ws_l, ws_o, out, hq, sink_logits),
+                plan.reduce_meta)
     return out
 
 
@@ -1044,7 +1072,7 @@ class _Ready:
     """What :class:`DecodeRunner` keeps from a first run to launch the same kernels again."""
 
     __slots__ = ("qshape", "qstride", "dtype", "index", "stream", "scale", "env", "new", "nk", "nv", "rl_dtype",
-                 "align", "split", "reduce", "grid", "reduce_grid", "oshape", "keep")
+                 "align", "split", "reduce", "grid", "reduce_grid", "oshape", "keep", "sink")
 
 
 class DecodeRunner:
@@ -1053,7 +1081,7 @@ class DecodeRunner:
 
     Built for one block table, lengths, page pool and window (``res_k``/``res_v``); :meth:`run` takes what changes
     per step: the queries, the window lengths, the softmax scale and optionally the step's token (``new_k``/
-    ``new_v``, as in :func:`paged_decode_attention`). The first run is an ordinary call of
+    ``new_v``) and learned sink logits (``sink_logits``), as in :func:`paged_decode_attention`. The first run is an ordinary call of
     :func:`paged_decode_attention` (it plans, compiles and checks everything). Later runs with the same shapes,
     strides, dtypes, settings, stream and pointer alignment launch the compiled kernels directly with the first
     run's argument list, only the changing pointers replaced: no plan key, no checks of the fixed tensors.
@@ -1070,30 +1098,36 @@ class DecodeRunner:
         self.sliding_window = sliding_window
         # the first runs' launches, one with and one without the step's token (the cache's decode steps pass it, its
         # flush steps do not: one template would be replaced, with an ordinary call, twice per flush)
-        self._ready: dict[bool, _Ready] = {}
+        self._ready: dict[tuple, _Ready] = {}
         self.fast_runs = 0  # for tests
 
-    def run(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None):
+    def run(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
         """Attention of one query token per sequence, ``q`` ``[B, Hq, D]``; returns ``[B, Hq, D]``."""
-        r = self._ready.get(new_k is None)
+        which = (new_k is None, sink_logits is None)
+        r = self._ready.get(which)
         if r is not None:
-            out = self._launch(r, q, res_lengths, sm_scale, new_k, new_v)
+            out = self._launch(r, q, res_lengths, sm_scale, new_k, new_v, sink_logits)
             if out is not None:
                 return out
         bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
         out = paged_decode_attention(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, res_lengths, *self.bits, sm_scale,
-                                     new_k=new_k, new_v=new_v, sliding_window=self.sliding_window)
-        r = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out)
+                                     new_k=new_k, new_v=new_v, sliding_window=self.sliding_window,
+                                     sink_logits=sink_logits)
+        r = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out, sink_logits)
         if r is None:
-            self._ready.pop(new_k is None, None)
+            self._ready.pop(which, None)
         else:
-            self._ready[new_k is None] = r
+            self._ready[which] = r
         return out
 
-    def _launch(self, r: _Ready, q, rl, sm_scale, new_k, new_v):
+    def _launch(self, r: _Ready, q, rl, sm_scale, new_k, new_v, sink=None):
         """The direct launch, or None where the first run's kernels and arguments do not apply."""
         if (q.shape != r.qshape or q.stride() != r.qstride or q.dtype != r.dtype or sm_scale != r.scale
                 or rl.dtype != r.rl_dtype or rl.stride(-1) != 1 or (new_k is None) != (r.new is None)):
+            return None
+        if (sink is None) != (r.sink is None) or (sink is not None and (
+                sink.dtype != r.sink[0] or sink.shape != r.sink[1] or sink.stride(-1) != 1
+                or _cuda_index(sink) != r.index)):
             return None
         if new_k is not None and (new_v is None or new_k.shape != r.new or new_v.shape != r.new
                                   or new_k.stride() != r.nk or new_v.stride() != r.nv or new_k.dtype != r.dtype
@@ -1107,7 +1141,8 @@ class DecodeRunner:
             return None
         qp, rp = q.data_ptr(), rl.data_ptr()
         nkp, nvp = (new_k.data_ptr(), new_v.data_ptr()) if new_k is not None else (0, 0)
-        if (qp % 16 == 0, rp % 16 == 0, nkp % 16 == 0, nvp % 16 == 0) != r.align:
+        sp = sink.data_ptr() if sink is not None else 0
+        if (qp % 16 == 0, rp % 16 == 0, nkp % 16 == 0, nvp % 16 == 0, sp % 16 == 0) != r.align:
             return None
         out = torch.empty(r.oshape, dtype=r.dtype, device=q.device)
         op = out.data_ptr()
@@ -1115,17 +1150,21 @@ class DecodeRunner:
         call[_A_Q], call[_A_RLEN], call[_A_OUT] = qp, rp, op
         if new_k is not None:
             call[_A_NK], call[_A_NV] = nkp, nvp
+        if sink is not None:
+            call[_A_SINK] = sp
         g0, g1 = r.grid
         kernel.run(g0, g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
         if r.reduce is not None:
             kernel, call, consts = r.reduce
             call[3] = op
+            if sink is not None:
+                call[4] = sp
             g0, g1 = r.reduce_grid
             kernel.run(g0, g1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
         self.fast_runs += 1
         return out
 
-    def _prepare(self, q, rl, sm_scale, new_k, new_v, out) -> _Ready | None:
+    def _prepare(self, q, rl, sm_scale, new_k, new_v, out, sink=None) -> _Ready | None:
         """After an ordinary run: the compiled kernels and argument lists it used, when a direct launch can repeat
         it (else None: every run stays ordinary)."""
         index = _cuda_index(q)
@@ -1135,11 +1174,11 @@ class DecodeRunner:
         nk3, nv3 = new_k, new_v
         if new_k is not None and new_k.dim() == 4:
             nk3, nv3 = new_k.select(2, 0), new_v.select(2, 0)
-        contiguous = (q, bt, ql, rk, rv, rl) + (() if new_k is None else (nk3, nv3))
+        contiguous = (q, bt, ql, rk, rv, rl) + (() if new_k is None else (nk3, nv3)) + (() if sink is None else (sink,))
         if any(t.stride(-1) != 1 for t in contiguous) or index != torch.cuda.current_device():
             return None  # the ordinary call made contiguous copies: nothing to repeat
         key = _plan_key(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, out, *self.bits, None, False, False, nk3, nv3,
-                        self.sliding_window)
+                        self.sliding_window, sink)
         plan = _PLANS.get(key)
         if plan is None or not plan.final or q.shape[0] == 0 or q.shape[1] == 0:
             return None
@@ -1148,9 +1187,9 @@ class DecodeRunner:
         ws_m, ws_l, ws_o = _workspace(plan, d, q.device, shared=True)
         cnt = _counts(plan, q.device) if merge else rl
         args = _split_args(plan, q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, ws_m, ws_l, ws_o, nk3, nv3, out, cnt,
-                           sm_scale)
+                           sm_scale, sink)
         split = _SPLIT.compiled((key, merge), args)
-        rargs = _reduce_args(plan, ws_m, ws_l, ws_o, out, q.shape[1])
+        rargs = _reduce_args(plan, ws_m, ws_l, ws_o, out, q.shape[1], sink)
         red = None if merge else _REDUCE.compiled((key, merge), rargs)
         if split is None or (red is None and not merge):
             return None
@@ -1161,7 +1200,9 @@ class DecodeRunner:
         r.new = None if new_k is None else new_k.shape
         r.nk, r.nv = (None, None) if new_k is None else (new_k.stride(), new_v.stride())
         nkp, nvp = (new_k.data_ptr(), new_v.data_ptr()) if new_k is not None else (0, 0)
-        r.align = (q.data_ptr() % 16 == 0, rl.data_ptr() % 16 == 0, nkp % 16 == 0, nvp % 16 == 0)
+        sp = sink.data_ptr() if sink is not None else 0
+        r.align = (q.data_ptr() % 16 == 0, rl.data_ptr() % 16 == 0, nkp % 16 == 0, nvp % 16 == 0, sp % 16 == 0)
+        r.sink = None if sink is None else (sink.dtype, sink.shape)
         r.keep = (cnt, ws_o)  # the merge's counts and the workspace: their addresses are in the argument lists
         r.grid, r.reduce_grid = plan.grid, plan.reduce_grid
 
@@ -1180,12 +1221,13 @@ class DecodeRunner:
 # ----------------------------------------------------------------------------- prefix
 
 PREFIX_SLICE_BYTES = 512 << 20  # working set of one batch slice of the prefix path
+SINK_CHANNELS = 8  # extra channels of the prefix path's buffers with learned sinks (2 used; 8 keep rows aligned)
 
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
                            group_size: int, sm_scale: float, *, batch_slice: int | None = None,
-                           sliding_window: int | None = None):
+                           sliding_window: int | None = None, sink_logits=None):
     """Triton-assisted twin of :func:`kivi_cache.reference.paged_prefix_attention` (several query tokens
     per sequence over the quantized past: chunked prefill, continued generation, assisted decoding).
 
@@ -1195,10 +1237,15 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     in memory) runs over it with the query heads of each KV head stacked along the query axis
     (grouped-query attention without repeating keys). Slices hold at most ``PREFIX_SLICE_BYTES``
     (512 MiB) of keys, values and mask; ``batch_slice`` fixes the sequences per slice instead.
-    One device sync (``lengths.max()``). ``sliding_window``: as in the reference.
+    One device sync (``lengths.max()``). ``sliding_window``: as in the reference. ``sink_logits`` (``[Hq]``, learned
+    attention sinks): one more key per sequence that every query sees, on ``SINK_CHANNELS`` extra channels that only
+    it and the queries fill (the query's pair ``hi + lo = sink / sm_scale`` against the key's ``1, 1``: its logit is
+    the sink to fp32 accuracy, the other keys' are unchanged), with a zero value: the fused kernel then normalizes by
+    the sum with the sink's term included.
     """
     chk = _util.checks()
     chk.check_sliding_window(sliding_window)
+    chk.check_sink_logits(sink_logits, q)
     chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
                         res_lengths, key_bits, value_bits, group_size)
     chk.check_prefix_chunk(q, new_k, new_v, new_mask)
@@ -1215,24 +1262,36 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     t_max = int(lengths.max())
     c = res_k.shape[2]
     s_len = t_max + c + ql
-    s_pad = -(-s_len // 16) * 16  # aligned key axis for the fused kernels' mask; pads are masked out
+    sink = sink_logits is not None
+    d2 = d + SINK_CHANNELS if sink else d  # the sink key's channels (zeros for every other key and value)
+    s_pad = -(-(s_len + sink) // 16) * 16  # aligned key axis for the fused kernels' mask; pads are masked out
     if batch_slice is None:
         elt = torch.finfo(dt).bits // 8
-        per_seq = 2 * hkv * s_pad * d * elt + grp * ql * s_pad * (1 + elt) + 2 * hq * ql * d * elt
+        per_seq = 2 * hkv * s_pad * d2 * elt + grp * ql * s_pad * (1 + elt) + hq * ql * (d + d2) * elt
         batch_slice = max(1, PREFIX_SLICE_BYTES // per_seq)
     pos = torch.arange(s_pad, device=q.device)
+    if sink:  # the query heads' halves of sink / scale (the sum is the sink to fp32 accuracy)
+        target = sink_logits.float() / float(sm_scale)
+        hi = target.to(dt)
+        lo = (target - hi.float()).to(dt)
+        q_sink = torch.zeros(hq, SINK_CHANNELS, dtype=dt, device=q.device)
+        q_sink[:, 0], q_sink[:, 1] = hi, lo
+        q_sink = q_sink.reshape(hkv, grp, 1, SINK_CHANNELS).expand(hkv, grp, ql, SINK_CHANNELS)
     for b0 in range(0, bsz, batch_slice):
         sl = slice(b0, min(bsz, b0 + batch_slice))
         n = sl.stop - sl.start
-        k = torch.zeros(n, hkv, s_pad, d, dtype=dt, device=q.device)
+        k = torch.zeros(n, hkv, s_pad, d2, dtype=dt, device=q.device)
         v = torch.zeros_like(k)
         if t_max:  # straight into the slice's buffer (the kernel converts to the buffer's dtype)
             dequantize_pages(block_table[sl], lengths[sl], k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                             key_bits, value_bits, group_size, max_len=t_max, out=(k[:, :, :t_max], v[:, :, :t_max]))
-        k[:, :, t_max:t_max + c] = res_k[sl]
-        v[:, :, t_max:t_max + c] = res_v[sl]
-        k[:, :, t_max + c:s_len] = new_k[sl]
-        v[:, :, t_max + c:s_len] = new_v[sl]
+                             key_bits, value_bits, group_size, max_len=t_max,
+                             out=(k[:, :, :t_max, :d], v[:, :, :t_max, :d]))
+        k[:, :, t_max:t_max + c, :d] = res_k[sl]
+        v[:, :, t_max:t_max + c, :d] = res_v[sl]
+        k[:, :, t_max + c:s_len, :d] = new_k[sl]
+        v[:, :, t_max + c:s_len, :d] = new_v[sl]
+        if sink:
+            k[:, :, s_len, d:d + 2] = 1
         hist = pos[None, :] < lengths[sl].long()[:, None]
         hist |= ((pos[None, :] >= t_max) & (pos[None, :] < t_max + res_lengths[sl].long()[:, None]))
         if sliding_window is None:
@@ -1243,9 +1302,16 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             queries = first[:, None] + torch.arange(ql, device=q.device)[None, :]
             mask = hist[:, None, :] & (queries[:, :, None] - index[:, None, :] < sliding_window)
         mask[:, :, t_max + c:s_len] = new_mask[sl]
-        mask[:, :, 0] |= ~mask.any(-1)  # a query with nothing to attend to (padding): defined, ignored output
+        if sink:
+            mask[:, :, s_len] = True  # every query sees the sink (so none has nothing to attend to)
+        else:
+            mask[:, :, 0] |= ~mask.any(-1)  # a query with nothing to attend to (padding): defined, ignored output
         mask = mask[:, None].expand(n, grp, ql, s_pad).reshape(n, 1, grp * ql, s_pad)
-        qs = q[sl].reshape(n, hkv, grp * ql, d)
+        if sink:
+            qs = torch.cat([q[sl].reshape(n, hkv, grp, ql, d), q_sink.expand(n, hkv, grp, ql, SINK_CHANNELS)],
+                           dim=-1).reshape(n, hkv, grp * ql, d2)
+        else:
+            qs = q[sl].reshape(n, hkv, grp * ql, d)
         o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=float(sm_scale))
-        out[sl] = o.reshape(n, hq, ql, d)
+        out[sl] = o[..., :d].reshape(n, hq, ql, d)
     return out

@@ -169,6 +169,19 @@ def check_sliding_window(sliding_window) -> None:
                          f"positions, its own included), got {sliding_window!r}")
 
 
+def check_sink_logits(sink_logits, q) -> None:
+    """The attention ops' ``sink_logits``: None, or learned attention sinks (GPT-OSS's ``sinks``): a 1-d floating
+    tensor of one logit per query head (``[Hq]``) on q's device, a softmax column with no value."""
+    if sink_logits is None:
+        return
+    hq = q.shape[1]
+    if not isinstance(sink_logits, torch.Tensor) or tuple(sink_logits.shape) != (hq,):
+        got = list(sink_logits.shape) if isinstance(sink_logits, torch.Tensor) else type(sink_logits).__name__
+        raise ValueError(f"sink_logits must be None or a [Hq={hq}] tensor (one logit per query head), got {got}")
+    check_dtype("sink_logits", sink_logits, FLOATS)
+    check_device(q.device, sink_logits=sink_logits)
+
+
 def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
     """The by-value part of :func:`check_attention` (where :func:`values_checked`)."""
     table_values(block_table, lengths, k_codes.shape[0], k_codes.shape[2])

@@ -111,22 +111,28 @@ def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_si
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
-                           group_size, sm_scale, new_k=None, new_v=None, merge=True, sliding_window=None):
+                           group_size, sm_scale, new_k=None, new_v=None, merge=True, sliding_window=None,
+                           sink_logits=None):
     """``new_k``/``new_v``: the step's token, written into the window (at ``res_lengths - 1``) by the op itself.
     ``merge=False``: the kernels never merge partials in the split kernel (which keeps arrival counts allocated
     by its first call): for a compiled step whose CUDA graphs own every allocation it makes. ``sliding_window``:
-    attention over the last ``sliding_window`` stored tokens only (see
+    attention over the last ``sliding_window`` stored tokens only; ``sink_logits`` (``[Hq]``): learned attention
+    sinks, one more softmax logit per query head on no value (GPT-OSS; see
     :func:`kivi_cache.reference.paged_decode_attention`)."""
     extra = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
     if sliding_window is not None:
         extra["sliding_window"] = sliding_window
+    if sink_logits is not None:
+        extra["sink_logits"] = sink_logits
     return _call("paged_decode_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
                  res_lengths, key_bits, value_bits, group_size, sm_scale, merge=merge, **extra)
 
 
 def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
-                           key_bits, value_bits, group_size, sm_scale, sliding_window=None):
+                           key_bits, value_bits, group_size, sm_scale, sliding_window=None, sink_logits=None):
     extra = {} if sliding_window is None else dict(sliding_window=sliding_window)
+    if sink_logits is not None:
+        extra["sink_logits"] = sink_logits
     return _call("paged_prefix_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
                  res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale, **extra)
 
@@ -152,11 +158,11 @@ class DecodeRunner:
             self.kernel = mod.DecodeRunner(block_table, lengths, *pool, res_k, res_v, key_bits, value_bits,
                                            group_size, sliding_window=sliding_window)
 
-    def __call__(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None):
+    def __call__(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
         k = self.kernel
         if k is not None and torch.cuda.current_device() == self.index:
             try:
-                return k.run(q, res_lengths, sm_scale, new_k, new_v)
+                return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
             except ValueError:  # a configuration the kernels do not cover: the ordinary op warns and falls back
                 if _backend == "triton":
                     raise
@@ -164,4 +170,5 @@ class DecodeRunner:
         new = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
         return paged_decode_attention(q, self.block_table, self.lengths, *self.pool, res_k=self.res_k,
                                       res_v=self.res_v, res_lengths=res_lengths, sm_scale=sm_scale,
-                                      sliding_window=self.sliding_window, **self.bits, **new)
+                                      sliding_window=self.sliding_window, sink_logits=sink_logits, **self.bits,
+                                      **new)

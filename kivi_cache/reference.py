@@ -157,8 +157,9 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     return k, v
 
 
-def _attend(q, k, v, valid, sm_scale):
-    """q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, valid ``[B, 1|L, S]`` bool -> fp32 ``[B, Hq, L, D]``."""
+def _attend(q, k, v, valid, sm_scale, sink_logits=None):
+    """q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, valid ``[B, 1|L, S]`` bool -> fp32 ``[B, Hq, L, D]``.
+    ``sink_logits`` ``[Hq]``: one more softmax column per query head, with no value (learned attention sinks)."""
     bsz, hq, ql, d = q.shape
     hkv = k.shape[1]
     grp = hq // hkv
@@ -166,9 +167,15 @@ def _attend(q, k, v, valid, sm_scale):
     scores = qf @ k.float().transpose(-1, -2) * sm_scale  # [B, Hkv, grp*L, S]
     scores = scores.reshape(bsz, hkv, grp, ql, -1)
     scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    if sink_logits is not None:
+        sink = sink_logits.float().reshape(1, hkv, grp, 1, 1).expand(bsz, hkv, grp, ql, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     # a query that may attend to nothing (a padding position of a chunk) gets zeros, not NaN: NaN would reach
     # the stored keys and values of the next layer and, through 0 * NaN, every query of that sequence
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).reshape(bsz, hkv, grp * ql, -1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sink_logits is not None:
+        probs = probs[..., :-1]  # the sink's weight: in the sum, on no value
+    probs = probs.reshape(bsz, hkv, grp * ql, -1)
     out = probs @ v.float()
     return out.reshape(bsz, hq, ql, d)
 
@@ -200,7 +207,7 @@ def _in_window(index, query_index, window):
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, new_k=None, new_v=None, merge: bool = True,
-                           sliding_window: int | None = None):
+                           sliding_window: int | None = None, sink_logits=None):
     """One query token per sequence over its quantized pages and residual window.
 
     q: ``[B, Hq, D]``; res_k/res_v: ``[B, Hkv, C, D]`` full precision with
@@ -211,6 +218,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     ``sliding_window``: the query, the sequence's newest stored token (index ``n - 1`` of its ``n = lengths +
     res_lengths`` stored tokens, pages first, then the window), sees only the last ``sliding_window`` of them
     (indices ``>= n - sliding_window``); None: all. Pages wholly before that are never read.
+    ``sink_logits`` (``[Hq]``, optional): learned attention sinks (GPT-OSS): each query head's softmax has one more
+    logit, ``sink_logits[h]``, which weighs no value (``out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink))``).
     Returns ``[B, Hq, D]`` in q's dtype.
     """
     checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
@@ -218,6 +227,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     checks.check_sliding_window(sliding_window)
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
+    checks.check_sink_logits(sink_logits, q)
     if new_k is not None:
         if new_k.dim() == 4:
             new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
@@ -228,26 +238,28 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                   res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     newest = (lengths.long() + res_lengths.long() - 1)[:, None]
-    out = _attend(q[:, :, None], k, v, valid[:, None] & _in_window(index, newest, sliding_window), sm_scale)
+    out = _attend(q[:, :, None], k, v, valid[:, None] & _in_window(index, newest, sliding_window), sm_scale,
+                  sink_logits)
     return out[:, :, 0].to(q.dtype)
 
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
-                           group_size: int, sm_scale: float, sliding_window: int | None = None):
+                           group_size: int, sm_scale: float, sliding_window: int | None = None, sink_logits=None):
     """Several query tokens over a quantized past plus their own (full precision) chunk.
 
     q: ``[B, Hq, L, D]``; new_k/new_v: ``[B, Hkv, L, D]``; new_mask: ``[B, L, L]``
     bool, True where query i may attend to new token j (causal and padding; a sliding window among the new
     tokens is the mask's to apply). Every stored token (pages and residual) is visible to every query, or with
     ``sliding_window`` only those within ``sliding_window`` positions of it (query i is stored token
-    ``lengths + res_lengths + i``).
+    ``lengths + res_lengths + i``). ``sink_logits``: as in :func:`paged_decode_attention`.
     Returns ``[B, Hq, L, D]`` in q's dtype.
     """
     checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
                            res_v, res_lengths, key_bits, value_bits, group_size)
     checks.check_prefix_chunk(q, new_k, new_v, new_mask)
     checks.check_sliding_window(sliding_window)
+    checks.check_sink_logits(sink_logits, q)
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                   res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     ql = q.shape[2]
@@ -256,4 +268,4 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     first = (lengths.long() + res_lengths.long())[:, None]
     queries = first + torch.arange(ql, device=q.device)[None, :]
     valid = torch.cat([valid[:, None, :] & _in_window(index, queries, sliding_window), new_mask], dim=2)
-    return _attend(q, k, v, valid, sm_scale).to(q.dtype)
+    return _attend(q, k, v, valid, sm_scale, sink_logits).to(q.dtype)

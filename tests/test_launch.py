@@ -152,7 +152,7 @@ def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch
         n = _runtime_params(fn)
         assert len(args) == n, (name, len(args), n)
         names = list(inspect.signature(fn.fn).parameters)
-        assert set(names[n:]) - set(meta) <= {"NEWKV", "MERGE", "BM", "BSM", "SLIDING"}, (name, names[n:], meta)
+        assert set(names[n:]) - set(meta) <= {"NEWKV", "MERGE", "BM", "BSM", "SLIDING", "SINK"}, (name, names[n:], meta)
 
 
 def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypatch):
@@ -238,7 +238,8 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
         mine_r = jits["reduce"].compiled.calls[-1]
         assert mine_r[lead:lead + 4] == (mine[lead + A._A_WSM], mine[lead + A._A_WSL], mine[lead + A._A_WSO],
                                          mine[lead + A._A_OUT])
-        assert mine_r[:lead] == reduce[:lead] and mine_r[lead + 4:] == reduce[lead + 4:]
+        assert mine_r[lead + 4] == mine_r[lead]  # no sink logits: the partial maxima stand in for them (unread)
+        assert mine_r[:lead] == reduce[:lead] and mine_r[lead + 5:] == reduce[lead + 5:]
     else:  # the arrival counts: the plan's, as in the op's own launch (compared above); no merge kernel
         assert not jits["reduce"].launches + jits["reduce"].compiled.calls
     q2, rl2 = torch.randn(2, 4, 64), rl.clone()  # another query, window lengths, token: their own addresses
@@ -269,3 +270,46 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
         assert run.fast_runs == 3 and jits["split"].compiled.calls[-1][lead + A._A_NK] != extra["new_k"].data_ptr()
         run.run(q, rl, 0.5, **extra)  # with the token again: its template (the last one, scale 0.5) kept
         assert run.fast_runs == 4 and jits["split"].compiled.calls[-1][lead + A._A_NK] == extra["new_k"].data_ptr()
+
+
+@pytest.mark.parametrize("merge", ["0", "1"])
+def test_decode_runner_replaces_the_sink_logits_pointer(gpu_like, monkeypatch, merge):
+    """With learned sink logits the runner's direct launch passes the call's sink tensor to the kernel that merges
+    (the split kernel's last program, or the merge kernel), compiled with SINK; runs without sinks keep their own
+    template (no SINK)."""
+    jits = {}
+    for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
+        jit = _JIT()
+        jit.params = [_Param(p.name, p.default) for p in inspect.signature(fn.fn).parameters.values()]
+        jits[name] = jit
+        monkeypatch.setattr(A, "_SPLIT" if name == "split" else "_REDUCE", U.Launcher(jit))
+    monkeypatch.setattr(A, "interpreting", lambda: False)
+    monkeypatch.setattr(A, "_cuda_index", lambda t: 0)
+    monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
+    monkeypatch.setattr(A, "_PLANS", {})
+    monkeypatch.setattr(A, "_RESIDENT", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)
+    layer = _stored_layer(2)
+    bt, ql, rl = layer._device_state()
+    fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
+    q = torch.randn(2, 4, 64)
+    run = A.DecodeRunner(*fixed, 4, 4, 32)
+    merger = jits["split" if merge == "1" else "reduce"]
+    slot = A._A_SINK if merge == "1" else 4
+    lead = 9
+    for _ in range(3):  # planned, cached by the launchers, then prepared
+        run.run(q, rl, 0.125, sink_logits=torch.zeros(4))
+    sinks = torch.randn(4)
+    fast = run.fast_runs
+    run.run(q, rl, 0.125, sink_logits=sinks)
+    assert run.fast_runs == fast + 1
+    fn = A._decode_split_kernel if merge == "1" else A._decode_reduce_kernel
+    flag = lead + list(inspect.signature(fn.fn).parameters).index("SINK")  # constexprs follow the runtime arguments
+    call = merger.compiled.calls[-1]
+    assert call[lead + slot] == sinks.data_ptr() and call[flag] == 1
+    run.run(q, rl, 0.125)  # without sinks: the ordinary call, its own plan without SINK
+    run.run(q, rl, 0.125)
+    assert merger.compiled.calls[-1][flag] == 0
+    run.run(q, rl, 0.125, sink_logits=sinks.half())  # another dtype: the ordinary call (a new plan)
+    assert run.fast_runs == fast + 2
