@@ -1081,10 +1081,10 @@ class DecodeRunner:
 
     Built for one block table, lengths, page pool and window (``res_k``/``res_v``); :meth:`run` takes what changes
     per step: the queries, the window lengths, the softmax scale and optionally the step's token (``new_k``/
-    ``new_v``) and learned sink logits (``sink_logits``), as in :func:`paged_decode_attention`. The first run is an ordinary call of
-    :func:`paged_decode_attention` (it plans, compiles and checks everything). Later runs with the same shapes,
-    strides, dtypes, settings, stream and pointer alignment launch the compiled kernels directly with the first
-    run's argument list, only the changing pointers replaced: no plan key, no checks of the fixed tensors.
+    ``new_v``) and learned sink logits (``sink_logits``), as in :func:`paged_decode_attention`. The first run is an
+    ordinary call of :func:`paged_decode_attention` (it plans, compiles and checks everything). Later runs with the
+    same shapes, strides, dtypes, settings, stream and pointer alignment launch the compiled kernels directly with
+    the first run's argument list, only the changing pointers replaced: no plan key, no checks of the fixed tensors.
     Otherwise (a CUDA graph being captured, a profiler's launch hook, the interpreter, ``KIVI_FAST_LAUNCH=0``, a
     change) a run is the ordinary call. The fixed tensors may be written to, not replaced or resized: build a new
     runner then (the cache does, whenever its block table or pool tensors change).

@@ -852,7 +852,8 @@ def sink_values(hq, kind):
     """Sink logits ``[hq]`` of several regimes: of the scores' order, far above them (the sink takes nearly all the
     weight: outputs near 0), far below (no effect), mixed."""
     gen = {"normal": lambda: torch.randn(hq) * 2, "high": lambda: torch.full((hq,), 40.0),
-           "low": lambda: torch.full((hq,), -60.0), "mixed": lambda: torch.tensor([(-1) ** i * 3.0 * i for i in range(hq)])}
+           "low": lambda: torch.full((hq,), -60.0),
+           "mixed": lambda: torch.tensor([(-1) ** i * 3.0 * i for i in range(hq)])}
     return gen[kind]().to(DEV)
 
 
