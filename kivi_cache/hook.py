@@ -8,7 +8,12 @@ computes attention from the pages and the residual window. A sliding window,
 whether the module holds it (Gemma, Qwen2) or passes it to the attention
 function (Mistral, Phi3, Starcoder2), is served too: the layer keeps no
 attention-sink tokens then and the kernels read only the pages the window
-covers. Cases it does not serve (soft-capping, learned attention sinks,
+covers. Learned attention sinks (GPT-OSS passes ``s_aux``: one logit per query
+head that joins every softmax and weighs no value) are served by the kernels'
+merge; where plain sdpa would run (the prompt, the fallback, a model given
+another cache) the sinks become one more key on extra channels
+(:func:`sdpa_with_sinks`), since sdpa itself has no such argument and would
+drop them. Cases it does not serve (soft-capping,
 dropout, attention weights, a layer whose ``config.layer_types`` entry is
 neither full nor sliding attention such as Llama 4's chunked attention, a
 floating mask that carries an additive bias such as ALiBi, a sliding window on
@@ -74,31 +79,74 @@ def _served(dropout, kwargs) -> bool:
     return (
         not dropout
         and kwargs.get("softcap") is None
-        and kwargs.get("s_aux") is None
-        and kwargs.get("sinks") is None
         and kwargs.get("position_bias") is None
         and not kwargs.get("output_attentions", False)
     )
 
 
-def _refuse_learned_sinks(module, kwargs) -> None:
-    """Learned attention sinks (GPT-OSS's ``s_aux``: a logit per head in every softmax) are not computed by sdpa,
-    which drops the argument: a model that passes them was never meant to run on sdpa (GPT-OSS declares no sdpa
-    support), but ``attn_implementation="kivi"`` would have run it there, silently wrong (logits ~60% off). The
-    caller checks that the model passed them."""
-    d = getattr(module, "__dict__", _EMPTY)
-    impl = getattr(d.get("config"), "_attn_implementation", None)
-    if impl == NAME:
-        raise ValueError(f"attn_implementation='{NAME}' cannot compute this model's learned attention sinks (s_aux: "
-                         f"GPT-OSS); load it with its default attention (eager): a kivi_cache cache still works there "
-                         f"(the history is dequantized for it)")
+def _sink_logits(kwargs):
+    """Learned attention sinks passed to the attention function (GPT-OSS: ``s_aux``, its module's ``sinks``
+    parameter), or None."""
+    sinks = kwargs.get("s_aux")
+    return kwargs.get("sinks") if sinks is None else sinks
+
+
+SINK_CHANNELS = 8  # channels added to queries and keys by sdpa_with_sinks (2 used; 8 keep rows 16-byte aligned)
+
+
+def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """sdpa with learned attention sinks (``s_aux`` or ``sinks``: ``[Hq]``, one logit per query head in every
+    softmax, weighing no value), as GPT-OSS's eager attention computes them, without a score matrix: the sink is one
+    more key, first in line, on ``SINK_CHANNELS`` extra channels that only it and the queries fill (each query head
+    holds ``hi + lo = sink / scaling``, the key ``1, 1``: its logit is the sink to fp32 accuracy; every other key's
+    logit is unchanged) with a zero value. Without a mask (a plain causal prompt) one more query, first in line and
+    discarded, keeps the square causal shape, so no mask is built; a mask gets a column for the sink. Returns
+    ``([B, L, Hq, D], None)`` like transformers' attention functions."""
+    sinks = _sink_logits(kwargs)
+    bsz, hq, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    if scaling is None:
+        scaling = d ** -0.5
+    e = d + SINK_CHANNELS
+    dt = query.dtype
+    target = sinks.detach().float().to(query.device) / float(scaling)
+    hi = target.to(dt)
+    lo = (target - hi.float()).to(dt)
+    causal = attention_mask is None and lq > 1
+    if causal and lq != lk:  # a chunk after a history without a mask: build the (bottom-right) causal one
+        rows = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
+        attention_mask = (torch.arange(lk, device=query.device)[None, :] <= rows)[None, None]
+        causal = False
+    extra = int(causal)  # the discarded first query
+    q2 = query.new_zeros(bsz, hq, lq + extra, e)
+    q2[:, :, extra:, :d] = query
+    q2[:, :, :, d] = hi[None, :, None]
+    q2[:, :, :, d + 1] = lo[None, :, None]
+    k2 = key.new_zeros(bsz, hkv, lk + 1, e)
+    k2[:, :, 1:, :d] = key
+    k2[:, :, 0, d:d + 2] = 1
+    v2 = value.new_zeros(bsz, hkv, lk + 1, e)
+    v2[:, :, 1:, :d] = value
+    if hq != hkv:
+        k2 = k2.repeat_interleave(hq // hkv, dim=1)
+        v2 = v2.repeat_interleave(hq // hkv, dim=1)
+    mask = None
+    if attention_mask is not None:
+        m = attention_mask[..., -lq:, :lk] if attention_mask.shape[-1] >= lk else attention_mask[..., -lq:, :]
+        if m.dtype == torch.bool:
+            first = torch.ones(*m.shape[:-1], 1, dtype=torch.bool, device=m.device)
+        else:
+            first = torch.zeros(*m.shape[:-1], 1, dtype=m.dtype, device=m.device)
+        mask = torch.cat([first, m], dim=-1)
+    out = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, dropout_p=dropout,
+                                                           is_causal=causal, scale=float(scaling))
+    return out[:, :, extra:, :d].transpose(1, 2).contiguous(), None
 
 
 def kivi_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            **kwargs):
     """An attention function for transformers' ``AttentionInterface`` (same signature as sdpa's)."""
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        _refuse_learned_sinks(module, kwargs)
+    sinks = _sink_logits(kwargs)
     # a StaticQuantizedPagedCache bound to this model (an instance attribute it sets; a missing attribute through
     # nn.Module.__getattr__ costs an exception, ~1 us per layer and step)
     static = getattr(module, "__dict__", _EMPTY).get("_kivi_static")
@@ -111,9 +159,10 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
                                  f"but its prompt was stored for {layer.sliding_window}")
             if scaling is None:
                 scaling = query.shape[-1] ** -0.5
-            return layer.attend_static(query, scaling), None
+            return layer.attend_static(query, scaling, sinks), None
     if not isinstance(key, KVHandle):
-        return _original_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        fn = _original_sdpa if sinks is None else sdpa_with_sinks
+        return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
@@ -148,6 +197,8 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
     not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
     step = key.step
+    sinks = _sink_logits(kwargs)
+    sdpa = _original_sdpa if sinks is None else sdpa_with_sinks
     # causal self-attention: the queries are the step's new tokens. Cross-attention (new keys: the encoder's states)
     # is not, also where a module does not mark it with is_causal=False
     self_attention = step.key.shape[2] == query.shape[2] and getattr(module, "is_causal", True)
@@ -161,11 +212,11 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
         # Cross-attention stores every encoder token: its mask's padding (often on the right) must keep the
         # positions the mask was built for
         valid = _valid_tokens(attention_mask, query.shape[2], step.layer.batch_size) if self_attention else None
-        return _original_sdpa(module, query, key.materialize(valid), value.materialize(valid), attention_mask,
-                              dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa(module, query, key.materialize(valid), value.materialize(valid), attention_mask,
+                    dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = step.layer.attend(step, query, attention_mask, scaling, _original_sdpa, module, window=window,
+    out = step.layer.attend(step, query, attention_mask, scaling, sdpa, module, window=window, sink_logits=sinks,
                             **kwargs)
     return out, None
 

@@ -525,9 +525,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     # -------------------------------------------------------------- attention
     def attend(self, step: PendingStep, query: torch.Tensor, attention_mask, scaling: float, sdpa_fn, module,
-               window: int | None = None, **kwargs) -> torch.Tensor:
+               window: int | None = None, sink_logits=None, **kwargs) -> torch.Tensor:
         """Attention for the step's queries ``[B, Hq, L, D]``; returns ``[B, L, Hq, D]``. ``window``: the layer's
-        sliding window (the hook passes it once :meth:`use_sliding_window` accepted it)."""
+        sliding window (the hook passes it once :meth:`use_sliding_window` accepted it); ``sink_logits``: learned
+        attention sinks (``[Hq]``; ``sdpa_fn`` computes them itself from ``kwargs``)."""
         n = query.shape[2]
         valid = _valid_tokens(attention_mask, n, self.batch_size)
         bits = self._bits
@@ -542,8 +543,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k, res_v=self.res_v,
                                                             direct=DECODE_RUNNER, sliding_window=window, **bits)
             if deferred:
-                return run(query.select(2, 0), rl, scaling, step.key, step.value).unsqueeze(1)
-            return run(query.select(2, 0), rl, scaling).unsqueeze(1)
+                return run(query.select(2, 0), rl, scaling, step.key, step.value, sink_logits).unsqueeze(1)
+            return run(query.select(2, 0), rl, scaling, sink_logits=sink_logits).unsqueeze(1)
         if not any(self.q_lens) and not any(self.r_lens):
             # a prompt on an empty cache: plain full-precision attention over it
             mask = None if attention_mask is None else attention_mask[..., -n:]
@@ -553,7 +554,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         bt, ql, rl = self._device_state()
         out = ops.paged_prefix_attention(
             query, bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
-            new_k=step.key, new_v=step.value, sm_scale=scaling, sliding_window=window, **bits,
+            new_k=step.key, new_v=step.value, sm_scale=scaling, sliding_window=window, sink_logits=sink_logits, **bits,
             new_mask=_chunk_visibility(attention_mask, n, self.batch_size, query.device, window))
         self.commit(step, valid)
         return out.transpose(1, 2)

@@ -54,11 +54,11 @@ def _decode_op(q: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor
                k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                v_zero: torch.Tensor, res_k: torch.Tensor, res_v: torch.Tensor, res_lengths: torch.Tensor,
                key_bits: int, value_bits: int, group_size: int, sm_scale: float,
-               sliding_window: int = 0) -> torch.Tensor:
+               sliding_window: int = 0, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     return ops.paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                       res_k=res_k, res_v=res_v, res_lengths=res_lengths, key_bits=key_bits,
                                       value_bits=value_bits, group_size=group_size, sm_scale=sm_scale, merge=False,
-                                      sliding_window=sliding_window or None)
+                                      sliding_window=sliding_window or None, sink_logits=sink_logits)
 
 
 @_decode_op.register_fake
@@ -210,11 +210,12 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self.static = False
         self._dev = None
 
-    def attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend_static(self, query: torch.Tensor, scaling: float, sink_logits=None) -> torch.Tensor:
         cfg = self.cfg
         out = torch.ops.kivi_cache.paged_decode_attention(
             query[:, :, 0].contiguous(), self.block_table, self.q_len, *self.pool.args(), self.res_k, self.res_v,
-            self.r_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling), self.sliding_window or 0)
+            self.r_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling), self.sliding_window or 0,
+            None if sink_logits is None else sink_logits.detach())
         return out[:, None]
 
     def get_seq_length(self):

@@ -276,6 +276,19 @@ def test_hybrid_models_with_state_layers_are_refused_clearly():
 
 # sliding-window models: (model, how it names the window); windows of 24 tokens over pages of 16 and a residual
 # window of 8 (+ a group of 16 before a flush), so a query's window starts in the pages, mid-page or in the residual
+def _gpt_oss(attn="kivi"):
+    """GPT-OSS (learned sink logits, ``s_aux``): a sliding layer (window 24) and a full one; sinks of order 1-5 (its
+    init's 0.02 would hardly matter)."""
+    cfg = T.GptOssConfig(**dict(SMALL, intermediate_size=128), head_dim=32, num_local_experts=2,
+                         num_experts_per_tok=1, sliding_window=24, layer_types=["sliding_attention", "full_attention"])
+    model = T.GptOssForCausalLM(cfg).eval()
+    for module in model.modules():
+        if hasattr(module, "sinks"):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    model.set_attn_implementation(attn)
+    return model
+
+
 SLIDING = {
     "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SMALL, head_dim=32, sliding_window=24)),  # argument
     "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**SMALL, sliding_window=24, pad_token_id=0)),
@@ -289,6 +302,8 @@ SLIDING = {
     # every module holds the window, the global layers too (which pass sliding_window=None)
     "exaone4": lambda: T.Exaone4ForCausalLM(T.Exaone4Config(**SMALL, head_dim=32, sliding_window=24,
                                                             layer_types=["sliding_attention", "full_attention"])),
+    # learned sink logits (s_aux) on a sliding and a full layer, served under attn_implementation="kivi"
+    "gpt_oss": _gpt_oss,
 }
 SLIDING_PAGED = dict(key_bits=8, value_bits=8, group_size=16, residual_length=8, page_size=16)
 
@@ -349,7 +364,7 @@ def test_global_layers_of_a_model_whose_modules_all_hold_the_window():
     assert torch.equal(seq, ref_seq)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
 def test_sliding_window_chunked_prefill_and_continued_generation(monkeypatch, family):
     """Several new tokens over a filled sliding-window cache (a second ``generate`` on the same cache, and a prompt
     prefilled in chunks): each query's window starts at its own position; the logits equal the fallback's over the
@@ -545,22 +560,72 @@ def test_config_sizes_the_pools_of_sliding_layers():
         cfg.sliding_pages_per_sequence(0, 100)
 
 
-def test_learned_attention_sinks_refuse_the_kivi_implementation():
-    """GPT-OSS adds a learned sink logit per head to every softmax (``s_aux``), which sdpa drops: with
-    ``attn_implementation="kivi"`` it ran on sdpa, 59% off in its logits, even with DynamicCache. Now a ValueError;
-    its default (eager) attention with our cache reads the dequantized history and matches DynamicCache."""
+def test_learned_attention_sinks_are_served(monkeypatch):
+    """GPT-OSS adds a learned sink logit per query head to every softmax (``s_aux``), which sdpa would drop (its
+    logits were 59% off that way, session 22). With ``attn_implementation="kivi"`` the sinks are computed: on the
+    prompt and with DynamicCache by sdpa with the sink as one more key, while decoding by the kernels' merge. Padded
+    batch, sliding and full layers: nothing quantized, the logits equal the eager model's with DynamicCache; 8-bit,
+    served with no fallback step and close to it; the sinks matter (dropped, the logits are far off)."""
+    from kivi_cache import hook
+
     torch.manual_seed(0)
-    cfg = T.GptOssConfig(**dict(SMALL, intermediate_size=128), head_dim=32, num_local_experts=2,
-                         num_experts_per_tok=1, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
-    model = T.GptOssForCausalLM(cfg).eval()
-    for module in model.modules():
-        if hasattr(module, "sinks"):
-            torch.nn.init.normal_(module.sinks, std=2.0)
-    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
-    ref_seq, ref_logits = _generate(model, ids, None, DynamicCache())
-    seq, logits = _generate(model, ids, None, QuantizedPagedCache(**NO_QUANT))
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    model = _gpt_oss(attn="eager")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    ref_seq, ref_logits = _generate(model, ids, mask, DynamicCache(), n=24)
+    _, eager_logits = _generate(model, ids, mask, QuantizedPagedCache(**NO_QUANT), n=24)  # the materialized history
+    torch.testing.assert_close(eager_logits, ref_logits, rtol=1e-4, atol=1e-4)
     model.set_attn_implementation("kivi")
-    for cache in (DynamicCache(), QuantizedPagedCache(**NO_QUANT)):
-        with pytest.raises(ValueError, match="learned attention sinks"):
-            _generate(model, ids, None, cache)
+    _, dyn_logits = _generate(model, ids, mask, DynamicCache(), n=24)
+    torch.testing.assert_close(dyn_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    calls = _materialize_calls(monkeypatch)
+    seq, logits = _generate(model, ids, mask, QuantizedPagedCache(**NO_QUANT), n=24)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(seq, ref_seq)
+    cache = QuantizedPagedCache(**SLIDING_PAGED)
+    _, logits8 = _generate(model, ids, mask, cache, n=24)
+    assert calls == [] and all(sum(layer.q_lens) > 0 for layer in cache.layers)
+    assert [layer.sliding_window for layer in cache.layers] == [24, None]
+    err = ((logits8 - ref_logits).norm() / ref_logits.norm()).item()
+    assert err < 2e-2, err
+    monkeypatch.setattr(hook, "_sink_logits", lambda kwargs: None)
+    _, dropped = _generate(model, ids, mask, QuantizedPagedCache(**NO_QUANT), n=24)
+    assert ((dropped - ref_logits).norm() / ref_logits.norm()).item() > 0.1
+
+
+def test_sdpa_with_sinks_matches_gpt_oss_eager_attention():
+    """The sink-aware sdpa (prompt, fallback, other caches) against GPT-OSS's own eager attention function over
+    masks of every kind it meets: none (a causal prompt: one discarded query keeps it square), a bool mask with
+    padding and a window, a float mask, a chunk after a history without a mask (built bottom-right); fp32 and
+    bf16 (the sink split over two channels keeps it to fp32 accuracy)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as G
+
+    from kivi_cache.hook import sdpa_with_sinks
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    module.sinks = torch.nn.Parameter(torch.randn(4) * 3 + 0.3)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for lq, lk in ((9, 9), (4, 11)):
+            q = torch.randn(2, 4, lq, 32).to(dtype)
+            k = torch.randn(2, 2, lk, 32).to(dtype)
+            v = torch.randn(2, 2, lk, 32).to(dtype)
+            pos_q = torch.arange(lq)[:, None] + lk - lq
+            causal = torch.arange(lk)[None, :] <= pos_q
+            window = causal & (pos_q - torch.arange(lk)[None, :] < 5)
+            padded = causal[None, None].repeat(2, 1, 1, 1)
+            padded[1, :, :, :3] = False
+            floating = torch.where(window, 0.0, torch.finfo(dtype).min)[None, None].to(dtype)
+            for mask in (None, window[None, None], padded, floating):
+                dense = causal[None, None] if mask is None else mask
+                if dense.dtype == torch.bool:
+                    dense = torch.where(dense, 0.0, torch.finfo(torch.float32).min)
+                want, _ = G.eager_attention_forward(module, q.float(), k.float(), v.float(), dense.float(),
+                                                    scaling=32 ** -0.5)
+                got, _ = sdpa_with_sinks(module, q, k, v, mask, scaling=32 ** -0.5, s_aux=module.sinks)
+                assert got.shape == want.shape and got.dtype == dtype
+                err = ((got.float() - want).norm() / want.norm()).item()
+                assert err < tol, (dtype, lq, lk, None if mask is None else mask.dtype, err)

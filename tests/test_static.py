@@ -411,6 +411,45 @@ def test_static_sliding_window_matches_the_eager_cache_and_compiles():
     assert torch.equal(eager_logits, compiled)
 
 
+def test_static_learned_sinks_match_the_eager_cache_and_compile():
+    """GPT-OSS (learned sink logits, a sliding and a full layer) in static mode: the decode op takes the sinks (the
+    tokens equal the eager cache's; without them the logits differ), no graph break, and the compiled step gives
+    the same logits."""
+    import unittest.mock as um
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from kivi_cache import hook
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=2,
+                       num_experts_per_tok=1, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                       max_position_embeddings=512)
+    model = GptOssForCausalLM(cfg).eval()
+    for module in model.modules():
+        if hasattr(module, "sinks"):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    model.set_attn_implementation("kivi")
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(3))
+    ref = _generate(model, ids, QuantizedPagedCache(**CFG))
+    cache = StaticQuantizedPagedCache(model, 128, **CFG)
+    assert torch.equal(_generate(model, ids, cache), ref)
+    assert [layer.sliding_window for layer in cache.layers] == [24, None]
+    eager_logits, _ = _decode_logits(model, ids, model.forward, 20)
+    with um.patch.object(hook, "_sink_logits", lambda kwargs: None):  # the sinks dropped
+        dropped, _ = _decode_logits(model, ids, model.forward, 20)
+    assert not torch.allclose(eager_logits, dropped, atol=1e-3)
+    with torch.no_grad():
+        static = StaticQuantizedPagedCache(model, 96, **CFG)
+        tok = model(ids, **cache_kwargs(model, static)).logits[:, -1:].argmax(-1)
+        explain = torch._dynamo.explain(model)(tok, **cache_kwargs(model, static), cache_position=torch.full((1,), 60))
+    assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons]
+    torch._dynamo.reset()
+    compiled, _ = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), 20)
+    assert torch.equal(eager_logits, compiled)
+
+
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_static_sliding_pool_is_allocated_exactly(chunk):
     """A sliding-window layer drops its sink tokens when the hook learns its window, after lazy_initialization sized
