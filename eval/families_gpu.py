@@ -55,7 +55,21 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     "qwen2-window64": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**BASE, use_sliding_window=True, sliding_window=64,
                                                                max_window_layers=1)),
+    # learned sink logits (s_aux) on a window-64 layer and a full one, served under attn_implementation="kivi"; the
+    # reference is the model's own eager attention (EAGER_REF)
+    "gpt_oss-window64": lambda: _with_sinks(T.GptOssForCausalLM(T.GptOssConfig(
+        **dict(BASE, intermediate_size=256), head_dim=64, num_local_experts=2, num_experts_per_tok=1,
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"]))),
 }
+EAGER_REF = {"gpt_oss-window64"}  # DynamicCache runs the model's eager attention; the caches "kivi"
+def _with_sinks(model):
+    """Sink logits of order 1-5 (GPT-OSS's init gives ~0.02, which would hardly matter)."""
+    for module in model.modules():
+        if hasattr(module, "sinks"):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    return model
+
+
 SETTINGS = {
     "int8": dict(key_bits=8, value_bits=8, group_size=32, residual_length=32, sink_length=0),
     "int4": dict(key_bits=4, value_bits=4, group_size=32, residual_length=32, sink_length=0),
@@ -88,10 +102,14 @@ def run_family(name, args, dev):
     mask[1, :args.pad] = 0
     ids, mask = ids.to(dev), mask.to(dev)
     gen = dict(attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+    if name in EAGER_REF:
+        model.set_attn_implementation("eager")
     with torch.no_grad():
         ref = model.generate(ids, **cache_kwargs(model, DynamicCache()), **gen)[:, ids.shape[1]:]
     ref_logits = forced_logits(model, ids, mask, ref, DynamicCache())
-    row = {"family": name, "type": type(model).__name__}
+    if name in EAGER_REF:
+        model.set_attn_implementation("kivi")
+    row = {"family": name, "type": type(model).__name__, "attn": model.config._attn_implementation}
     real = QuantizedPagedLayer.materialize
     for label, setting in SETTINGS.items():
         calls = []

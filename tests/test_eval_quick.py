@@ -126,3 +126,15 @@ def test_bench_sliding_quick_run(tmp_path):
     rows = {row["cache"]: row for row in res["generate"]}
     assert rows["kivi-int4"]["sliding_layers"] == 2 and rows["kivi-int4-fallback"]["sliding_layers"] == 0
     assert all(row["agree_with_fp16"] == 6 for row in rows.values())
+
+
+def test_bench_sinks_quick_run(tmp_path):
+    """The learned-sinks benchmark end to end on a tiny GPT-OSS: the kernel with sink logits matches the reference,
+    the served cache holds a sliding layer, and every cache generates the eager model's greedy tokens."""
+    from eval import bench_sinks
+
+    res = bench_sinks.main(["--quick", "--out", str(tmp_path / "s.json")])
+    assert all(row["rel_err_sinks"] < 1e-2 for row in res["kernels"])
+    rows = {row["cache"]: row for row in res["generate"]}
+    assert rows["kivi-int4"]["sliding_layers"] == 1 and rows["eager-int4-fallback"]["sliding_layers"] == 0
+    assert all(row["agree_with_eager_dynamic"] == 6 for row in rows.values())

@@ -134,6 +134,65 @@ def test_sliding_window_model_compiled_and_eager_on_the_gpu():
     assert vs_fallback > 0.95 and vs_static > 0.95
 
 
+def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
+    """GPT-OSS (learned sink logits, a window-64 layer and a full one, head_dim 64, a decisive 160-token prompt) on
+    the GPU under attn_implementation="kivi": the eager cache serves every step with the Triton kernels (the sinks
+    in their merge; no fallback step) and gives the fallback's tokens over the same storage (sdpa with the sink
+    key); StaticQuantizedPagedCache compiled by generate (inductor, CUDA graphs) gives the eager cache's tokens;
+    with the sinks dropped the tokens change."""
+    import warnings
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from kivi_cache import StaticQuantizedPagedCache, hook
+    from kivi_cache.layer import QuantizedPagedLayer
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, num_local_experts=2, num_experts_per_tok=1, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024)).eval()
+    for module in model.modules():
+        if hasattr(module, "sinks"):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    ids = decisive_prompt(model, 160, margin=0.01, new_tokens=32).cuda()
+    model = model.to("cuda", torch.float16)
+    model.set_attn_implementation("kivi")
+    cfg = dict(key_bits=4, value_bits=4, sink_length=0, **dict(SMALL, page_size=64))
+    calls = []
+    real = QuantizedPagedLayer.materialize
+    QuantizedPagedLayer.materialize = lambda self, *a: calls.append(1) or real(self, *a)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a kernel falling back to the reference warns
+            eager = QuantizedPagedCache(**cfg)
+            served = _gen(model, ids, eager)
+    finally:
+        QuantizedPagedLayer.materialize = real
+    assert calls == [] and [layer.sliding_window for layer in eager.layers] == [64, None]
+    saved = hook._pattern
+    hook._pattern = lambda module, kwargs: (False, None)
+    try:
+        fallback = _gen(model, ids, QuantizedPagedCache(**cfg))
+    finally:
+        hook._pattern = saved
+    saved = hook._sink_logits
+    hook._sink_logits = lambda kwargs: None
+    try:
+        dropped = _gen(model, ids, QuantizedPagedCache(**cfg))
+    finally:
+        hook._sink_logits = saved
+    static = _gen(model, ids, StaticQuantizedPagedCache(model, 160 + 32, **cfg))
+    n = ids.shape[1]  # the generated tokens only
+    served, fallback, static, dropped = served[:, n:], fallback[:, n:], static[:, n:], dropped[:, n:]
+    vs_fallback = (served == fallback).float().mean().item()
+    vs_static = (static == served).float().mean().item()
+    vs_dropped = (dropped == served).float().mean().item()
+    print(f"learned sinks: served vs fallback {vs_fallback:.3f}, static compiled vs eager {vs_static:.3f}, "
+          f"sinks dropped {vs_dropped:.3f}")
+    assert vs_fallback > 0.95 and vs_static > 0.95 and vs_dropped < 0.95
+
+
 def test_decode_steps_never_synchronize_the_gpu_from_the_cache():
     """Eager decoding keeps the host ahead of the GPU: across a generate with group flushes (unpadded and
     left-padded batches) no synchronizing CUDA call comes from kivi_cache's code (torch's sync debug mode

@@ -908,7 +908,7 @@ def test_prefix_attention_sink_logits(dtype):
     of one more key; the reference adds a softmax column) against the oracle, with a sliding window and a padded
     query that sees nothing but the sink (output zero, not NaN)."""
     bsz, hkv, grp, d, ql = 2, 2, 2, 64, 5
-    args = decode_case(bsz, hkv, grp, d, 64, 32, 4, 4, dtype, [128, 0], [7, 20], c=32)
+    args = decode_case(bsz, hkv, grp, d, 64, 32, 4, 4, dtype, [128, 0], [7, 0], c=32)  # sequence 1: nothing stored
     q = torch.randn(bsz, hkv * grp, ql, d, device=DEV).to(dtype)
     new_k = torch.randn(bsz, hkv, ql, d, device=DEV).to(dtype)
     new_v = torch.randn(bsz, hkv, ql, d, device=DEV).to(dtype)
