@@ -134,18 +134,28 @@ def test_sliding_window_model_compiled_and_eager_on_the_gpu():
     assert vs_fallback > 0.95 and vs_static > 0.95
 
 
+def _gen_logits(model, ids, cache, n=32):
+    """Greedy tokens (new ones only) and the step logits ``[B, n, V]`` (fp32)."""
+    with torch.no_grad():
+        out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float()
+
+
 def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
     """GPT-OSS (learned sink logits, a window-64 layer and a full one, head_dim 64, a decisive 160-token prompt) on
     the GPU under attn_implementation="kivi": the eager cache serves every step with the Triton kernels (the sinks
     in their merge; no fallback step) and gives the fallback's tokens over the same storage (sdpa with the sink
-    key); StaticQuantizedPagedCache compiled by generate (inductor, CUDA graphs) gives the eager cache's tokens;
-    with the sinks dropped the tokens change."""
+    key); StaticQuantizedPagedCache compiled by generate (inductor, CUDA graphs) gives the eager cache's logits while
+    their tokens agree (fp16 MoE layers compiled differently may flip a late near-tie: the tokens are compared up to
+    there); dropping the sinks changes the logits."""
     import warnings
 
     from transformers import GptOssConfig, GptOssForCausalLM
 
     from kivi_cache import StaticQuantizedPagedCache, hook
     from kivi_cache.layer import QuantizedPagedLayer
+    from kivi_cache.models import leading_agreement
 
     torch.manual_seed(0)
     model = GptOssForCausalLM(GptOssConfig(
@@ -154,7 +164,7 @@ def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024)).eval()
     for module in model.modules():
         if hasattr(module, "sinks"):
-            torch.nn.init.normal_(module.sinks, std=2.0)
+            torch.nn.init.normal_(module.sinks, mean=2.0, std=2.0)
     ids = decisive_prompt(model, 160, margin=0.01, new_tokens=32).cuda()
     model = model.to("cuda", torch.float16)
     model.set_attn_implementation("kivi")
@@ -166,31 +176,35 @@ def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a kernel falling back to the reference warns
             eager = QuantizedPagedCache(**cfg)
-            served = _gen(model, ids, eager)
+            served, served_logits = _gen_logits(model, ids, eager)
     finally:
         QuantizedPagedLayer.materialize = real
     assert calls == [] and [layer.sliding_window for layer in eager.layers] == [64, None]
     saved = hook._pattern
     hook._pattern = lambda module, kwargs: (False, None)
     try:
-        fallback = _gen(model, ids, QuantizedPagedCache(**cfg))
+        fallback, _ = _gen_logits(model, ids, QuantizedPagedCache(**cfg))
     finally:
         hook._pattern = saved
     saved = hook._sink_logits
     hook._sink_logits = lambda kwargs: None
     try:
-        dropped = _gen(model, ids, QuantizedPagedCache(**cfg))
+        _, dropped_logits = _gen_logits(model, ids, QuantizedPagedCache(**cfg))
     finally:
         hook._sink_logits = saved
-    static = _gen(model, ids, StaticQuantizedPagedCache(model, 160 + 32, **cfg))
-    n = ids.shape[1]  # the generated tokens only
-    served, fallback, static, dropped = served[:, n:], fallback[:, n:], static[:, n:], dropped[:, n:]
+    static, static_logits = _gen_logits(model, ids, StaticQuantizedPagedCache(model, 160 + 32, **cfg))
+    lead = min(leading_agreement(static[0].tolist(), served[0].tolist()) + 1, served.shape[1])  # same inputs so far
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
     vs_fallback = (served == fallback).float().mean().item()
-    vs_static = (static == served).float().mean().item()
-    vs_dropped = (dropped == served).float().mean().item()
-    print(f"learned sinks: served vs fallback {vs_fallback:.3f}, static compiled vs eager {vs_static:.3f}, "
-          f"sinks dropped {vs_dropped:.3f}")
-    assert vs_fallback > 0.95 and vs_static > 0.95 and vs_dropped < 0.95
+    static_err = rel(static_logits[:, :lead], served_logits[:, :lead])
+    dropped_err = rel(dropped_logits[:, :1], served_logits[:, :1])  # the first step: the same prompt
+    print(f"learned sinks: served vs fallback tokens {vs_fallback:.3f}; static compiled vs eager: {lead - 1} leading "
+          f"tokens agree, logits rel err {static_err:.2e} over {lead} steps; sinks dropped: first-step logits rel "
+          f"err {dropped_err:.2e}")
+    assert vs_fallback > 0.95 and lead >= 8 and static_err < 2e-2 and dropped_err > 5 * static_err
 
 
 def test_decode_steps_never_synchronize_the_gpu_from_the_cache():
