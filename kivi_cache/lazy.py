@@ -10,6 +10,8 @@ step and runs the operation on it: slower, but always correct.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -22,6 +24,22 @@ _METADATA = {
     torch.Tensor.dim,
     torch.Tensor.__repr__,
 }
+
+
+_warned_slow = False
+
+
+def _warn_slow_path(step) -> None:
+    """Once per process: a decode step over a quantized history read by an attention function that is not the hook
+    (``eager`` attention: GPT-OSS's and Gemma 2's default, or flash), which dequantizes the whole history every step."""
+    global _warned_slow
+    if _warned_slow or step.key.shape[2] != 1 or not any(getattr(step.layer, "q_lens", ())):
+        return
+    _warned_slow = True
+    warnings.warn("kivi_cache: this model's attention implementation does not read the quantized pages (e.g. "
+                  "'eager', the default of GPT-OSS and Gemma 2): every decode step dequantizes the whole history "
+                  "(correct, slow). Load the model with attn_implementation='kivi' (or 'sdpa') to read the pages "
+                  "directly", RuntimeWarning, stacklevel=4)
 
 
 class PendingStep:
@@ -65,7 +83,10 @@ class KVHandle(torch.Tensor):
                 return func(*args, **kwargs)
 
         def real(a):
-            return a.materialize() if isinstance(a, KVHandle) else a
+            if isinstance(a, KVHandle):
+                _warn_slow_path(a.step)
+                return a.materialize()
+            return a
 
         args, kwargs = tree_map(real, args), tree_map(real, kwargs)
         with torch._C.DisableTorchFunctionSubclass():

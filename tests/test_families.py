@@ -629,3 +629,28 @@ def test_sdpa_with_sinks_matches_gpt_oss_eager_attention():
                 assert got.shape == want.shape and got.dtype == dtype
                 err = ((got.float() - want).norm() / want.norm()).item()
                 assert err < tol, (dtype, lq, lk, None if mask is None else mask.dtype, err)
+
+
+def test_eager_attention_over_a_quantized_history_warns_once(monkeypatch):
+    """A model left on eager attention (GPT-OSS's default) reads our cache through the dequantized history: correct
+    but slow, so the first such decode step over quantized pages warns once per process, naming the fix."""
+    import warnings
+
+    from kivi_cache import lazy
+
+    monkeypatch.setattr(lazy, "_warned_slow", False)
+    torch.manual_seed(0)
+    model = _gpt_oss(attn="eager")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=4)
+        _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=4)
+    slow = [r for r in rec if "does not read the quantized pages" in str(r.message)]
+    assert len(slow) == 1 and "attn_implementation='kivi'" in str(slow[0].message)
+    model.set_attn_implementation("kivi")
+    monkeypatch.setattr(lazy, "_warned_slow", False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=4)
+    assert not [r for r in rec if "does not read the quantized pages" in str(r.message)]
