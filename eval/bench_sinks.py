@@ -35,13 +35,10 @@ heads, head_dim 64, 32 experts top-4, bf16; batch 1, ``--prompts`` tokens, ``--n
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import os
-import platform
-import statistics
 import sys
-import time
 
 QUICK = "--quick" in sys.argv
 if QUICK:
@@ -51,17 +48,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import transformers  # noqa: E402
-import triton  # noqa: E402
-from transformers import DynamicCache, GptOssConfig, GptOssForCausalLM, LogitsProcessorList  # noqa: E402
+from transformers import DynamicCache, GptOssConfig, GptOssForCausalLM  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss as G  # noqa: E402
 
 from eval.bench_kernels import make_pool  # noqa: E402
-from eval.bench_sliding import StepTimer, cache_bytes, interleaved, log  # noqa: E402
-from kivi_cache import Int4PagedCache, cache_kwargs, hook  # noqa: E402
+from eval.bench_sliding import compare_generate, interleaved, log, run_parts  # noqa: E402
+from kivi_cache import Int4PagedCache, hook  # noqa: E402
 from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
-from kivi_cache.models import leading_agreement  # noqa: E402
 
 GPT_OSS_20B = dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
@@ -162,77 +156,20 @@ def generate_rows(args, device) -> list[dict]:
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     log(f"model built: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
         f"{weights / 2**30:.1f} GiB")
-    caches = {  # name -> (attention implementation, cache factory)
-        "eager-DynamicCache": ("eager", lambda: DynamicCache(config=model.config)),
-        "eager-int4-fallback": ("eager", Int4PagedCache),
-        "kivi-int4": ("kivi", Int4PagedCache),
+
+    def setup(impl, make):  # the attention implementation, then a fresh cache
+        def go():
+            model.set_attn_implementation(impl)
+            return make(), contextlib.nullcontext()
+        return go
+
+    caches = {
+        "eager-DynamicCache": setup("eager", lambda: DynamicCache(config=model.config)),
+        "eager-int4-fallback": setup("eager", Int4PagedCache),
+        "kivi-int4": setup("kivi", Int4PagedCache),
     }
-
-    def run(name, ids, new):
-        impl, make = caches[name]
-        model.set_attn_implementation(impl)
-        cache, timer = make(), StepTimer(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, logits_processor=LogitsProcessorList([timer]))
-        except torch.OutOfMemoryError as exc:
-            del cache
-            torch.cuda.empty_cache()
-            return dict(error=f"OutOfMemoryError: {str(exc)[:160]}")
-        peak = torch.cuda.max_memory_allocated(device) - weights if device.type == "cuda" else 0
-        steps = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
-        got = dict(prefill=timer.marks[0] - t0, step=statistics.median(steps), tokens=out[0, ids.shape[1]:].tolist(),
-                   peak=peak, cache_bytes=cache_bytes(cache))
-        if not isinstance(cache, DynamicCache):
-            got["sliding_layers"] = sum(layer.sliding_window is not None for layer in cache.layers)
-            got["pages_in_use"] = sum(layer.pool.pages_in_use for layer in cache.layers)
-        return got
-
-    rows = []
-    for prompt in args.prompts:
-        ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(device)
-        if not args.quick:
-            for name in caches:  # warm-up: kernels compiled, allocator primed
-                run(name, ids, 3)
-                torch.cuda.empty_cache()
-        got = {name: [] for name in caches}
-        for _ in range(1 if args.quick else 3):  # rounds alternating between the caches
-            for name in caches:
-                got[name].append(run(name, ids, args.new))
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        ok_ref = [r for r in got["eager-DynamicCache"] if "error" not in r]
-        ref_tokens = ok_ref[0]["tokens"] if ok_ref else None
-        for name, runs in got.items():
-            ok = [r for r in runs if "error" not in r]
-            if not ok:
-                row = dict(cache=name, prompt=prompt, new=args.new, error=runs[0]["error"])
-                log(f"prompt {prompt} {name:20s} {row['error']}")
-                rows.append(row)
-                continue
-            last = ok[-1]
-            row = dict(cache=name, prompt=prompt, new=args.new, runs=len(ok), errors=len(runs) - len(ok),
-                       step_ms=statistics.median(r["step"] for r in ok) * 1e3,
-                       step_ms_rounds=[r["step"] * 1e3 for r in ok],
-                       prefill_s=statistics.median(r["prefill"] for r in ok),
-                       peak_above_weights_bytes=max(r["peak"] for r in ok), cache_bytes=last["cache_bytes"],
-                       agree_with_eager_dynamic=(leading_agreement(last["tokens"], ref_tokens)
-                                                 if ref_tokens is not None else None),
-                       **{k: last[k] for k in ("sliding_layers", "pages_in_use") if k in last})
-            log(f"prompt {prompt} {name:20s} step {row['step_ms']:.2f} ms (rounds "
-                f"{', '.join(f'{x:.2f}' for x in row['step_ms_rounds'])}), prefill {row['prefill_s']:.2f} s, peak "
-                f"above weights {row['peak_above_weights_bytes'] / 2**30:.2f} GiB, cache "
-                f"{row['cache_bytes'] / 2**20:.1f} MiB, agree {row['agree_with_eager_dynamic']}/{args.new}"
-                + (f", {row['sliding_layers']} sliding layers, {row['pages_in_use']} pages" if "pages_in_use" in row
-                   else ""))
-            rows.append(row)
-    return rows
+    return compare_generate(model, device, caches, args.prompts, args.new, args.quick, "eager-DynamicCache",
+                            "agree_with_eager_dynamic", weights)
 
 
 def main(argv=None):
@@ -249,26 +186,7 @@ def main(argv=None):
         args.context, args.prompts, args.new, args.batches = 200, "120", 6, "1,2"
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    meta = dict(gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-                torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), context=args.context, prompts=args.prompts, new=args.new,
-                timing="kernels: do_bench (eager) and do_bench_cudagraph medians of 3 interleaved rounds; generate: "
-                "median per-step time (a logits processor after a device sync), median of 3 interleaved rounds")
-    log(json.dumps(meta))
-    result = dict(meta=meta)
-    parts = args.parts.split(",")
-    if "kernels" in parts:
-        result["kernels"] = kernel_rows(args, device)
-    if "generate" in parts:
-        result["generate"] = generate_rows(args, device)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   "bench_sinks_quick.json" if args.quick else "bench_sinks.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    log(f"wrote {out}")
-    return result
+    return run_parts(args, "bench_sinks", dict(kernels=kernel_rows, generate=generate_rows), {})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ served with a window and the pages in use, and the leading generated tokens that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -195,26 +196,30 @@ class StepTimer(LogitsProcessor):
         return scores
 
 
-def generate_rows(args, device) -> list[dict]:
-    model = build_model(args, device)
-    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    caches = {
-        "fp16-DynamicCache": lambda: DynamicCache(config=model.config),
-        "kivi-int4": Int4PagedCache,
-        "kivi-int4-fallback": Int4PagedCache,
-    }
+def compare_generate(model, device, caches: dict, prompts, new: int, quick: bool, ref: str, agree_key: str,
+                     weights: int = 0) -> list[dict]:
+    """Greedy ``generate`` at batch 1 for each prompt length in ``prompts`` and each cache of ``caches`` (name -> a
+    function that sets the model up and returns ``(cache, context manager the run goes in)``): a warm-up run each,
+    then 3 rounds alternating between the caches (1 when ``quick``). One row per prompt and cache: median time per
+    decode step (the per-step times' median in each round), median prefill, peak memory above ``weights``, the
+    cache's bytes, the leading tokens agreeing with the ``ref`` cache's (``agree_key``), and for our caches the
+    layers served with a window and the pages in use. A run out of GPU memory is recorded as such (``error``)."""
 
-    def run(name, ids, new):
-        cache, timer = caches[name](), StepTimer(device)
-        patch = (mock.patch.object(hook, "_pattern", lambda module, kwargs: (False, None))
-                 if name.endswith("fallback") else mock.patch.dict(os.environ, {}))
+    def run(name, ids, n):
+        cache, context = caches[name]()
+        timer = StepTimer(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
-        with patch, torch.no_grad():
-            t0 = time.perf_counter()
-            out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, logits_processor=LogitsProcessorList([timer]))
+        try:
+            with context, torch.no_grad():
+                t0 = time.perf_counter()
+                out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, logits_processor=LogitsProcessorList([timer]))
+        except torch.OutOfMemoryError as exc:
+            del cache
+            torch.cuda.empty_cache()
+            return dict(error=f"OutOfMemoryError: {str(exc)[:160]}")
         peak = torch.cuda.max_memory_allocated(device) - weights if device.type == "cuda" else 0
         steps = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
         got = dict(prefill=timer.marks[0] - t0, step=statistics.median(steps), tokens=out[0, ids.shape[1]:].tolist(),
@@ -225,36 +230,81 @@ def generate_rows(args, device) -> list[dict]:
         return got
 
     rows = []
-    for prompt in args.prompts:
+    for prompt in prompts:
         ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
         ids = ids.to(device)
-        if not args.quick:
+        if not quick:
             for name in caches:  # warm-up: kernels compiled, allocator primed
                 run(name, ids, 3)
+                torch.cuda.empty_cache()
         got = {name: [] for name in caches}
-        for _ in range(1 if args.quick else 3):  # rounds alternating between the caches
+        for _ in range(1 if quick else 3):  # rounds alternating between the caches
             for name in caches:
-                got[name].append(run(name, ids, args.new))
+                got[name].append(run(name, ids, new))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        ref_tokens = got["fp16-DynamicCache"][0]["tokens"]
+        ok_ref = [r for r in got[ref] if "error" not in r]
+        ref_tokens = ok_ref[0]["tokens"] if ok_ref else None
         for name, runs in got.items():
-            last = runs[-1]
-            row = dict(cache=name, prompt=prompt, new=args.new,
-                       step_ms=statistics.median(r["step"] for r in runs) * 1e3,
-                       step_ms_rounds=[r["step"] * 1e3 for r in runs],
-                       prefill_s=statistics.median(r["prefill"] for r in runs),
-                       peak_above_weights_bytes=max(r["peak"] for r in runs), cache_bytes=last["cache_bytes"],
-                       agree_with_fp16=leading_agreement(last["tokens"], ref_tokens),
+            ok = [r for r in runs if "error" not in r]
+            if not ok:
+                row = dict(cache=name, prompt=prompt, new=new, error=runs[0]["error"])
+                log(f"prompt {prompt} {name:20s} {row['error']}")
+                rows.append(row)
+                continue
+            last = ok[-1]
+            row = dict(cache=name, prompt=prompt, new=new, runs=len(ok), errors=len(runs) - len(ok),
+                       step_ms=statistics.median(r["step"] for r in ok) * 1e3,
+                       step_ms_rounds=[r["step"] * 1e3 for r in ok],
+                       prefill_s=statistics.median(r["prefill"] for r in ok),
+                       peak_above_weights_bytes=max(r["peak"] for r in ok), cache_bytes=last["cache_bytes"],
+                       **{agree_key: leading_agreement(last["tokens"], ref_tokens) if ref_tokens is not None else None},
                        **{k: last[k] for k in ("sliding_layers", "pages_in_use") if k in last})
             log(f"prompt {prompt} {name:20s} step {row['step_ms']:.2f} ms (rounds "
                 f"{', '.join(f'{x:.2f}' for x in row['step_ms_rounds'])}), prefill {row['prefill_s']:.2f} s, peak "
                 f"above weights {row['peak_above_weights_bytes'] / 2**30:.2f} GiB, cache "
-                f"{row['cache_bytes'] / 2**20:.1f} MiB, agree {row['agree_with_fp16']}/{args.new}"
+                f"{row['cache_bytes'] / 2**20:.1f} MiB, agree {row[agree_key]}/{new}"
                 + (f", {row['sliding_layers']} sliding layers, {row['pages_in_use']} pages" if "pages_in_use" in row
                    else ""))
             rows.append(row)
     return rows
+
+
+def generate_rows(args, device) -> list[dict]:
+    model = build_model(args, device)
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    fallback = lambda: mock.patch.object(hook, "_pattern", lambda module, kwargs: (False, None))  # noqa: E731
+    caches = {
+        "fp16-DynamicCache": lambda: (DynamicCache(config=model.config), contextlib.nullcontext()),
+        "kivi-int4": lambda: (Int4PagedCache(), contextlib.nullcontext()),
+        "kivi-int4-fallback": lambda: (Int4PagedCache(), fallback()),  # the hook's pattern check forced off
+    }
+    return compare_generate(model, device, caches, args.prompts, args.new, args.quick, "fp16-DynamicCache",
+                            "agree_with_fp16", weights)
+
+
+def run_parts(args, name: str, parts: dict, settings: dict) -> dict:
+    """Run the parts named in ``args.parts`` (name -> ``fn(args, device)`` returning rows) on the GPU if there is one,
+    and write ``{"meta": ..., part: rows}`` to ``args.out`` (default ``eval/results/<name>[_quick].json``); meta
+    holds the machine, versions, ``settings`` and the shapes in ``args``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = dict(gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), **settings, context=args.context, prompts=args.prompts,
+                new=args.new, timing="kernels: do_bench (eager) and do_bench_cudagraph medians of 3 interleaved "
+                "rounds; generate: median per-step time (a logits processor after a device sync), median of 3 "
+                "interleaved rounds")
+    log(json.dumps(meta))
+    result = dict(meta=meta)
+    for part in args.parts.split(","):
+        result[part] = parts[part](args, device)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"{name}_quick.json" if args.quick else f"{name}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {out}")
+    return result
 
 
 def main(argv=None):
@@ -272,27 +322,8 @@ def main(argv=None):
         args.window, args.context, args.prompts, args.new, args.batches = 40, 200, "120", 6, "1,2"
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    meta = dict(gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-                torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), window=args.window, context=args.context, prompts=args.prompts,
-                new=args.new, timing="kernels: do_bench (eager) and do_bench_cudagraph medians of 3 interleaved "
-                "rounds; generate: median per-step time (a logits processor after a device sync), median of 3 "
-                "interleaved rounds")
-    log(json.dumps(meta))
-    result = dict(meta=meta)
-    parts = args.parts.split(",")
-    if "kernels" in parts:
-        result["kernels"] = kernel_rows(args, device)
-    if "generate" in parts:
-        result["generate"] = generate_rows(args, device)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   "bench_sliding_quick.json" if args.quick else "bench_sliding.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    log(f"wrote {out}")
-    return result
+    return run_parts(args, "bench_sliding", dict(kernels=kernel_rows, generate=generate_rows),
+                     dict(window=args.window))
 
 
 if __name__ == "__main__":

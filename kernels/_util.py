@@ -22,6 +22,14 @@ def checks():
     return mod
 
 
+def reference():
+    """:mod:`kivi_cache.reference` (torch-only helpers shared with the cache), imported on first use (as
+    :func:`checks`)."""
+    from kivi_cache import reference as mod  # noqa: PLC0415
+
+    return mod
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

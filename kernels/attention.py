@@ -1221,7 +1221,6 @@ class DecodeRunner:
 # ----------------------------------------------------------------------------- prefix
 
 PREFIX_SLICE_BYTES = 512 << 20  # working set of one batch slice of the prefix path
-SINK_CHANNELS = 8  # extra channels of the prefix path's buffers with learned sinks (2 used; 8 keep rows aligned)
 
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -1238,10 +1237,9 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     (grouped-query attention without repeating keys). Slices hold at most ``PREFIX_SLICE_BYTES``
     (512 MiB) of keys, values and mask; ``batch_slice`` fixes the sequences per slice instead.
     One device sync (``lengths.max()``). ``sliding_window``: as in the reference. ``sink_logits`` (``[Hq]``, learned
-    attention sinks): one more key per sequence that every query sees, on ``SINK_CHANNELS`` extra channels that only
-    it and the queries fill (the query's pair ``hi + lo = sink / sm_scale`` against the key's ``1, 1``: its logit is
-    the sink to fp32 accuracy, the other keys' are unchanged), with a zero value: the fused kernel then normalizes by
-    the sum with the sink's term included.
+    attention sinks): one more key per sequence that every query sees, on extra channels that only it and the queries
+    fill (:func:`kivi_cache.reference.sink_channels`: its logit is the sink to fp32 accuracy, the other keys' are
+    unchanged), with a zero value: the fused kernel then normalizes by the sum with the sink's term included.
     """
     chk = _util.checks()
     chk.check_sliding_window(sliding_window)
@@ -1263,7 +1261,8 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     c = res_k.shape[2]
     s_len = t_max + c + ql
     sink = sink_logits is not None
-    d2 = d + SINK_CHANNELS if sink else d  # the sink key's channels (zeros for every other key and value)
+    ref = _util.reference()
+    d2 = d + ref.SINK_CHANNELS if sink else d  # the sink key's channels (zeros for every other key and value)
     s_pad = -(-(s_len + sink) // 16) * 16  # aligned key axis for the fused kernels' mask; pads are masked out
     if batch_slice is None:
         elt = torch.finfo(dt).bits // 8
@@ -1271,12 +1270,8 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         batch_slice = max(1, PREFIX_SLICE_BYTES // per_seq)
     pos = torch.arange(s_pad, device=q.device)
     if sink:  # the query heads' halves of sink / scale (the sum is the sink to fp32 accuracy)
-        target = sink_logits.float() / float(sm_scale)
-        hi = target.to(dt)
-        lo = (target - hi.float()).to(dt)
-        q_sink = torch.zeros(hq, SINK_CHANNELS, dtype=dt, device=q.device)
-        q_sink[:, 0], q_sink[:, 1] = hi, lo
-        q_sink = q_sink.reshape(hkv, grp, 1, SINK_CHANNELS).expand(hkv, grp, ql, SINK_CHANNELS)
+        q_sink = ref.sink_channels(sink_logits, sm_scale, dt)
+        q_sink = q_sink.reshape(hkv, grp, 1, d2 - d).expand(hkv, grp, ql, d2 - d)
     for b0 in range(0, bsz, batch_slice):
         sl = slice(b0, min(bsz, b0 + batch_slice))
         n = sl.stop - sl.start
@@ -1308,7 +1303,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             mask[:, :, 0] |= ~mask.any(-1)  # a query with nothing to attend to (padding): defined, ignored output
         mask = mask[:, None].expand(n, grp, ql, s_pad).reshape(n, 1, grp * ql, s_pad)
         if sink:
-            qs = torch.cat([q[sl].reshape(n, hkv, grp, ql, d), q_sink.expand(n, hkv, grp, ql, SINK_CHANNELS)],
+            qs = torch.cat([q[sl].reshape(n, hkv, grp, ql, d), q_sink.expand(n, hkv, grp, ql, d2 - d)],
                            dim=-1).reshape(n, hkv, grp * ql, d2)
         else:
             qs = q[sl].reshape(n, hkv, grp * ql, d)

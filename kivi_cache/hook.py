@@ -35,6 +35,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from . import reference
 from .layer import _valid_tokens
 from .lazy import KVHandle
 
@@ -91,15 +92,12 @@ def _sink_logits(kwargs):
     return kwargs.get("sinks") if sinks is None else sinks
 
 
-SINK_CHANNELS = 8  # channels added to queries and keys by sdpa_with_sinks (2 used; 8 keep rows 16-byte aligned)
-
-
 def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """sdpa with learned attention sinks (``s_aux`` or ``sinks``: ``[Hq]``, one logit per query head in every
     softmax, weighing no value), as GPT-OSS's eager attention computes them, without a score matrix: the sink is one
-    more key, first in line, on ``SINK_CHANNELS`` extra channels that only it and the queries fill (each query head
-    holds ``hi + lo = sink / scaling``, the key ``1, 1``: its logit is the sink to fp32 accuracy; every other key's
-    logit is unchanged) with a zero value. Without a mask (a plain causal prompt) one more query, first in line and
+    more key, first in line, on extra channels that only it and the queries fill
+    (:func:`kivi_cache.reference.sink_channels`: its logit is the sink to fp32 accuracy; every other key's logit is
+    unchanged) with a zero value. Without a mask (a plain causal prompt) one more query, first in line and
     discarded, keeps the square causal shape, so no mask is built; a mask gets a column for the sink. Returns
     ``([B, L, Hq, D], None)`` like transformers' attention functions."""
     sinks = _sink_logits(kwargs)
@@ -107,11 +105,8 @@ def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 
     hkv, lk = key.shape[1], key.shape[2]
     if scaling is None:
         scaling = d ** -0.5
-    e = d + SINK_CHANNELS
-    dt = query.dtype
-    target = sinks.detach().float().to(query.device) / float(scaling)
-    hi = target.to(dt)
-    lo = (target - hi.float()).to(dt)
+    e = d + reference.SINK_CHANNELS
+    q_sink = reference.sink_channels(sinks.to(query.device), scaling, query.dtype)
     causal = attention_mask is None and lq > 1
     if causal and lq != lk:  # a chunk after a history without a mask: build the (bottom-right) causal one
         rows = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
@@ -120,8 +115,7 @@ def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 
     extra = int(causal)  # the discarded first query
     q2 = query.new_zeros(bsz, hq, lq + extra, e)
     q2[:, :, extra:, :d] = query
-    q2[:, :, :, d] = hi[None, :, None]
-    q2[:, :, :, d + 1] = lo[None, :, None]
+    q2[:, :, :, d:] = q_sink[None, :, None]
     k2 = key.new_zeros(bsz, hkv, lk + 1, e)
     k2[:, :, 1:, :d] = key
     k2[:, :, 0, d:d + 2] = 1

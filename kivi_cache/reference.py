@@ -157,6 +157,23 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     return k, v
 
 
+SINK_CHANNELS = 8  # extra channels that carry a learned sink as one more key (2 used; 8 keep rows 16-byte aligned)
+
+
+def sink_channels(sink_logits, sm_scale: float, dtype) -> torch.Tensor:
+    """The query side of a learned sink carried as one more key on ``SINK_CHANNELS`` extra channels: ``[Hq,
+    SINK_CHANNELS]`` of ``dtype``, each head's first two channels ``hi + lo = sink / sm_scale`` (``hi`` rounded to
+    ``dtype``, ``lo`` its remainder), the rest zeros. Against a key holding ``1, 1`` there (and zeros on the other
+    channels; every other key zeros there), the sink's logit is the sink to fp32 accuracy and no other logit
+    changes. Used by the fused-sdpa paths (:func:`kivi_cache.hook.sdpa_with_sinks`, the Triton prefix path)."""
+    target = sink_logits.detach().float() / float(sm_scale)
+    hi = target.to(dtype)
+    out = torch.zeros(target.shape[0], SINK_CHANNELS, dtype=dtype, device=sink_logits.device)
+    out[:, 0] = hi
+    out[:, 1] = (target - hi.float()).to(dtype)
+    return out
+
+
 def _attend(q, k, v, valid, sm_scale, sink_logits=None):
     """q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, valid ``[B, 1|L, S]`` bool -> fp32 ``[B, Hq, L, D]``.
     ``sink_logits`` ``[Hq]``: one more softmax column per query head, with no value (learned attention sinks)."""

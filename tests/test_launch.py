@@ -187,14 +187,10 @@ def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypa
     assert seen["q"][0] != key
 
 
-@pytest.mark.parametrize("merge", ["0", "1"])
-@pytest.mark.parametrize("new", [False, True])
-def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(gpu_like, monkeypatch, new, merge):
-    """kernels.DecodeRunner's direct launch (a template of the first call's arguments, the changing pointers
-    replaced) passes the split and merge kernels exactly what the op's own cached launch passes for the same call,
-    the workspace (the one shared by runners on that stream) and the fresh output aside; a changed query layout,
-    window-length dtype or setting goes through the ordinary call. On a GPU,
-    tests/test_gpu.py::test_decode_runner_equals_the_op_call_for_call compares outputs."""
+def _fake_decode_kernels(monkeypatch) -> dict:
+    """The decode op's split and merge kernels replaced by fake JIT functions with their real parameter lists behind
+    the direct launcher, the op's GPU-only host parts made to run here, no plans or residency cached yet. Returns
+    the fakes by name ("split", "reduce"): their ``compiled.calls`` hold every direct launch's argument list."""
     jits = {}
     for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
         jit = _JIT()
@@ -207,6 +203,18 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     monkeypatch.setattr(A, "_PLANS", {})
     monkeypatch.setattr(A, "_RESIDENT", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return jits
+
+
+@pytest.mark.parametrize("merge", ["0", "1"])
+@pytest.mark.parametrize("new", [False, True])
+def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(gpu_like, monkeypatch, new, merge):
+    """kernels.DecodeRunner's direct launch (a template of the first call's arguments, the changing pointers
+    replaced) passes the split and merge kernels exactly what the op's own cached launch passes for the same call,
+    the workspace (the one shared by runners on that stream) and the fresh output aside; a changed query layout,
+    window-length dtype or setting goes through the ordinary call. On a GPU,
+    tests/test_gpu.py::test_decode_runner_equals_the_op_call_for_call compares outputs."""
+    jits = _fake_decode_kernels(monkeypatch)
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)  # 1: the split kernel merges (no merge kernel launched)
     layer = _stored_layer(2)
     bt, ql, rl = layer._device_state()
@@ -277,18 +285,7 @@ def test_decode_runner_replaces_the_sink_logits_pointer(gpu_like, monkeypatch, m
     """With learned sink logits the runner's direct launch passes the call's sink tensor to the kernel that merges
     (the split kernel's last program, or the merge kernel), compiled with SINK; runs without sinks keep their own
     template (no SINK)."""
-    jits = {}
-    for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
-        jit = _JIT()
-        jit.params = [_Param(p.name, p.default) for p in inspect.signature(fn.fn).parameters.values()]
-        jits[name] = jit
-        monkeypatch.setattr(A, "_SPLIT" if name == "split" else "_REDUCE", U.Launcher(jit))
-    monkeypatch.setattr(A, "interpreting", lambda: False)
-    monkeypatch.setattr(A, "_cuda_index", lambda t: 0)
-    monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
-    monkeypatch.setattr(A, "_PLANS", {})
-    monkeypatch.setattr(A, "_RESIDENT", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    jits = _fake_decode_kernels(monkeypatch)
     monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)
     layer = _stored_layer(2)
     bt, ql, rl = layer._device_state()

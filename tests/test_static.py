@@ -401,13 +401,20 @@ def test_static_sliding_window_matches_the_eager_cache_and_compiles():
     with um.patch.object(hook, "_pattern", lambda module, kwargs: (True, None)):  # the window ignored
         ignored, _ = _decode_logits(model, ids, model.forward, 20)
     assert not torch.allclose(eager_logits, ignored, atol=1e-3)
+    _assert_static_step_compiles_to(model, ids, eager_logits)
+
+
+def _assert_static_step_compiles_to(model, ids, eager_logits, steps: int = 20):
+    """A static decode step after the prompt ``ids`` traces with no graph break, and the compiled (aot_eager,
+    fullgraph) decode gives exactly ``eager_logits`` (:func:`_decode_logits` over ``steps`` steps)."""
     with torch.no_grad():
         static = StaticQuantizedPagedCache(model, 96, **CFG)
         tok = model(ids, **cache_kwargs(model, static)).logits[:, -1:].argmax(-1)
-        explain = torch._dynamo.explain(model)(tok, **cache_kwargs(model, static), cache_position=torch.full((1,), 60))
+        position = torch.full((1,), ids.shape[1])
+        explain = torch._dynamo.explain(model)(tok, **cache_kwargs(model, static), cache_position=position)
     assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons]
     torch._dynamo.reset()
-    compiled, _ = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), 20)
+    compiled, _ = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), steps)
     assert torch.equal(eager_logits, compiled)
 
 
@@ -440,14 +447,7 @@ def test_static_learned_sinks_match_the_eager_cache_and_compile():
     with um.patch.object(hook, "_sink_logits", lambda kwargs: None):  # the sinks dropped
         dropped, _ = _decode_logits(model, ids, model.forward, 20)
     assert not torch.allclose(eager_logits, dropped, atol=1e-3)
-    with torch.no_grad():
-        static = StaticQuantizedPagedCache(model, 96, **CFG)
-        tok = model(ids, **cache_kwargs(model, static)).logits[:, -1:].argmax(-1)
-        explain = torch._dynamo.explain(model)(tok, **cache_kwargs(model, static), cache_position=torch.full((1,), 60))
-    assert explain.graph_break_count == 0, [str(r.reason)[:200] for r in explain.break_reasons]
-    torch._dynamo.reset()
-    compiled, _ = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), 20)
-    assert torch.equal(eager_logits, compiled)
+    _assert_static_step_compiles_to(model, ids, eager_logits)
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
