@@ -627,8 +627,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
             start = length - q - r  # timeline: [pads][sinks][quantized][newest]
             k[i, :, start:start + s] = self.res_k[i, :, :s]
             v[i, :, start:start + s] = self.res_v[i, :, :s]
-            k[i, :, start + s:start + s + q] = qk[i, :, :q]
-            v[i, :, start + s:start + s + q] = qv[i, :, :q]
+            z = min(q, self.hidden[i] * self.cfg.page_size)  # released tokens stay zeros (a static ring reuses pages)
+            k[i, :, start + s + z:start + s + q] = qk[i, :, z:q]
+            v[i, :, start + s + z:start + s + q] = qv[i, :, z:q]
             k[i, :, start + s + q:length] = self.res_k[i, :, s:r]
             v[i, :, start + s + q:length] = self.res_v[i, :, s:r]
         return k, v
@@ -755,9 +756,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
         """Quantized tokens the pages hold: a page shared by several sequences (beams) counted once, by its
         fullest sequence."""
         p, held, zero = self.cfg.page_size, {}, self.pool.zero
-        for table, q in zip(self.tables, self.q_lens, strict=True):
+        for table, q, h in zip(self.tables, self.q_lens, self.hidden, strict=True):
             for j, page in enumerate(table):
-                if page != zero:
+                if page != zero and j >= h:  # released entries (a static ring's) hold nothing
                     held[page] = max(held.get(page, 0), min(p, max(0, q - j * p)))
         return sum(held.values())
 

@@ -87,16 +87,32 @@ def _(*args):
 # ----------------------------------------------------------------------------- layer
 
 
+def ring_pages(cfg, window: int) -> int:
+    """Pages per sequence that a sliding-window layer (no sinks) reuses in turn in static mode: ``ceil((window -
+    residual_length) / page_size)``, at least 1. Table entry ``j`` names the page of entry ``j - n``, so the token
+    at slot ``k`` of entry ``m`` is overwritten once the sequence's quantized length ``q`` passes ``(m + n) P + k``.
+    A step's query (stored index ``t``) sees the tokens after ``t - window``, and after the step's flush the residual
+    window holds at least ``residual_length`` tokens (``t >= q + R - 1``): a token it sees has ``m P + k >= q + R -
+    window``. Both at once need ``n P < window - R``: with ``n P >= window - R`` no token a query sees has been
+    overwritten (tests/test_static.py runs one page fewer and gets other logits)."""
+    return max(1, -(-(window - cfg.residual_length) // cfg.page_size))
+
+
+
 class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     is_compileable = True
     is_croppable = False
     SPARE_COLUMNS = False  # the static step indexes its table by position (clamped to its width): exact columns
 
-    def __init__(self, cfg, max_cache_len: int):
+    def __init__(self, cfg, max_cache_len: int, window_hint: int | None = None):
         super().__init__(cfg)
         self.max_cache_len = max_cache_len
         self.static = False
         self.decoding = False  # a one-token step ran in static mode: no more prompt chunks
+        # the model layer's sliding window as its module declares it (sizes the pool before the hook says so)
+        self.window_hint = window_hint
+        self.ring: int | None = None  # static mode of a sliding-window layer: pages per sequence, reused in turn
+        self._eager_widths: list[int] = []  # the tables' widths before _to_static extended them
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -104,7 +120,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.static = self.decoding = self.materialized_prompt = False
-        need = key_states.shape[0] * self._pages_per_sequence()
+        self.ring = None
+        per_seq = self._pages_per_sequence()
+        if self.window_hint:  # a sliding-window layer's sequence reuses a few pages (_to_static: the ring)
+            per_seq = min(per_seq, ring_pages(self.cfg, self.window_hint))
+        need = key_states.shape[0] * per_seq
         if self.pool.capacity < need:  # the whole pool at once: no doubling growth, nothing to copy later
             self.pool._grow(need)
 
@@ -127,16 +147,31 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         return False
 
     def _to_static(self) -> None:
-        """After the prompt: fixed pages for every sequence, state as device tensors."""
+        """After the prompt: fixed pages for every sequence, state as device tensors. A sliding-window layer's
+        sequence gets a ring of ``ring`` pages: its table's later entries name them in turn (entry ``j`` the page of
+        entry ``j - ring``), so a flush overwrites the tokens of ``ring`` pages before, which no query sees any more
+        (:meth:`_ring_pages`); the prompt's visible pages are the ring's first."""
         maxp = self._pages_per_sequence()
+        self.ring = self._ring_pages(maxp)
+        self._eager_widths = [len(table) for table in self.tables]
+        if self.ring is None:
+            fresh = [max(0, maxp - len(table)) for table in self.tables]
+        else:
+            fresh = [max(0, min(maxp, h + self.ring) - len(table)) for table, h in zip(self.tables, self.hidden,
+                                                                                       strict=True)]
         # exactly the pages missing (a sliding-window layer dropped its sinks after lazy_initialization sized the
         # pool: a sequence then has more whole groups; allocate() would grow the pool by 1/8 or 16 pages)
-        missing = sum(max(0, maxp - len(table)) for table in self.tables) - len(self.pool.free)
+        missing = sum(fresh) - len(self.pool.free)
         if missing > 0:
             self.pool._grow(self.pool.capacity + missing)
-        for table in self.tables:
+        for table, h in zip(self.tables, self.hidden, strict=True):
             while len(table) < maxp:
-                table.append(self.pool.allocate())
+                j = len(table)
+                if self.ring is not None and j - self.ring >= h:
+                    table.append(table[j - self.ring])  # one more reference to the ring's page
+                    self.pool.share(table[-1:])
+                else:
+                    table.append(self.pool.allocate())
         self._dev = None
         bt, ql, rl = self._device_state()
         self.block_table, self.q_len, self.r_len = bt, ql.clone(), rl.clone()
@@ -148,6 +183,16 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
             for t in (*self.pool.args(), self.res_k, self.res_v, self.block_table, self.q_len, self.r_len,
                       self.sink_len, self.seen_t):
                 torch._dynamo.mark_static_address(t)
+
+    def _ring_pages(self, maxp: int) -> int | None:
+        """Pages per sequence of a sliding-window layer's ring (None: full attention, or a ring no smaller than the
+        fixed pages): :func:`ring_pages`, or the pages the prompt left visible if more."""
+        w = self.sliding_window
+        if w is None:
+            return None
+        ring = max([ring_pages(self.cfg, w)] + [len(table) - h for table, h in zip(self.tables, self.hidden,
+                                                                                     strict=True)])
+        return ring if ring < maxp else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.static and key_states.shape[2] == 1:
@@ -204,11 +249,25 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     def _to_dynamic(self) -> None:
         """Back to the eager bookkeeping before any decode step (a chunked prompt): the device state holds
         the same lengths; the block tables keep their fixed pages, which the eager path fills in order."""
+        self._sync_host(hidden=False)  # no decode step ran: the eager path's releases stand
+        if self.ring is not None:  # the ring's later entries go: the eager path allocates and releases as usual
+            for table, width in zip(self.tables, self._eager_widths, strict=True):
+                self.pool.release(table[width:])
+                del table[width:]
+            self.ring = None
+        self.static = False
+        self._dev = None
+
+    def _sync_host(self, hidden: bool = True) -> None:
+        """The host bookkeeping from the device state; with ``hidden``, a ring's entries that no query can see again
+        count as released (``hidden``: as the eager path's, whose entries point at the zero page)."""
         self.q_lens = self.q_len.tolist()
         self.r_lens = self.r_len.tolist()
         self.sinks = self.sink_len.tolist()
-        self.static = False
-        self._dev = None
+        if hidden and self.ring is not None:
+            w, p = self.sliding_window, self.cfg.page_size
+            self.hidden = [max(h, max(0, min(q, q + r - w)) // p)
+                           for h, q, r in zip(self.hidden, self.q_lens, self.r_lens, strict=True)]
 
     def attend_static(self, query: torch.Tensor, scaling: float, sink_logits=None) -> torch.Tensor:
         cfg = self.cfg
@@ -251,9 +310,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         if not self.static:
             return super()._full_precision(which)
         # the host bookkeeping from the device state (as memory_stats), the device state itself for the tables
-        self.q_lens = self.q_len.tolist()
-        self.r_lens = self.r_len.tolist()
-        self.sinks = self.sink_len.tolist()
+        self._sync_host()
         saved = self._dev, self.seen
         self._dev, self.seen = (self.block_table, self.q_len, self.r_len), int(self.seen_t)
         try:
@@ -264,9 +321,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     def memory_stats(self) -> dict:
         if not self.static:
             return super().memory_stats()
-        self.q_lens = self.q_len.tolist()  # the eager bookkeeping the report reads
-        self.r_lens = self.r_len.tolist()
-        self.sinks = self.sink_len.tolist()
+        self._sync_host()  # the eager bookkeeping the report reads
         return super().memory_stats()
 
 
@@ -303,6 +358,11 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
             if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
                 module._kivi_static = self  # the newest static cache of this model wins
                 bound += 1
+                if module.layer_idx < len(self.layers):  # its window as declared (Gemma, GPT-OSS: per layer;
+                    # Mistral: the config's), only to size the pool: the hook tells the layer what it serves
+                    hint = getattr(module, "sliding_window", getattr(getattr(module, "config", None),
+                                                                     "sliding_window", None))
+                    self.layers[module.layer_idx].window_hint = hint if isinstance(hint, int) and hint > 0 else None
         if bound != text.num_hidden_layers:
             raise ValueError(f"StaticQuantizedPagedCache found {bound} attention modules with a layer_idx for "
                              f"{text.num_hidden_layers} layers; this model is not supported")

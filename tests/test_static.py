@@ -7,6 +7,7 @@ from models import tiny_llama, tiny_llama_d64, tiny_qwen2
 from transformers import DynamicCache
 
 from kivi_cache import QuantConfig, QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs, ops
+from kivi_cache.static import StaticQuantizedPagedLayer, ring_pages
 
 CFG = dict(key_bits=4, value_bits=2, group_size=16, residual_length=16, page_size=32, sink_length=2)
 
@@ -461,6 +462,41 @@ def test_static_sliding_pool_is_allocated_exactly(chunk):
     cache = StaticQuantizedPagedCache(model, 128, **CFG)
     assert torch.equal(_generate(model, ids, cache, prefill_chunk_size=chunk), ref)
     per_sequence = QuantConfig(**dict(CFG, sink_length=0)).pages_per_sequence(128)
+    ring = ring_pages(QuantConfig(**CFG), 24)  # ceil((24 - 16) / 32) = 1
     for layer in cache.layers:
         assert layer.cfg.sink_length == 0 and [len(t) for t in layer.tables] == [per_sequence] * 2
-        assert layer.pool.capacity == layer.pool.pages_in_use == 2 * per_sequence + (layer.pool.zero is not None)
+        assert layer.ring == ring == 1
+        assert layer.pool.capacity == layer.pool.pages_in_use == 2 * ring + (layer.pool.zero is not None)
+
+
+def _scores(model, ids, cache, n):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def test_static_sliding_layer_reuses_a_ring_of_pages(monkeypatch):
+    """A sliding-window layer in static mode holds ring_pages per sequence (window 60, residual 16, page 32: 2
+    pages, not the 9 of max_cache_len 300), its table naming them in turn; over 170 steps (the ring goes round ~3
+    times) the logits equal the eager cache's (which releases pages instead), as do the memory report and the
+    dequantized keys (released tokens as zeros). With one page fewer the logits differ: the bound is tight."""
+    model = _mistral(window=60)
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(5))
+    eager = QuantizedPagedCache(**CFG)
+    ref_seq, ref = _scores(model, ids, eager, 170)
+    cache = StaticQuantizedPagedCache(model, 300, **CFG)
+    seq, got = _scores(model, ids, cache, 170)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    ring = ring_pages(QuantConfig(**CFG), 60)
+    assert ring == 2
+    for layer, ref_layer in zip(cache.layers, eager.layers, strict=True):
+        assert layer.ring == ring and layer.pool.pages_in_use == 2 * ring + (layer.pool.zero is not None)
+        for table, h in zip(layer.tables, layer.hidden, strict=True):
+            assert len(table) == 9 and all(table[j] == table[j - ring] for j in range(h + ring, len(table)))
+        torch.testing.assert_close(layer.keys, ref_layer.keys, rtol=0, atol=0)
+    assert cache.memory_report().quantized_tokens == eager.memory_report().quantized_tokens > 0
+    monkeypatch.setattr(StaticQuantizedPagedLayer, "_ring_pages", lambda self, maxp: ring - 1)
+    _, short = _scores(model, ids, StaticQuantizedPagedCache(model, 300, **CFG), 170)
+    assert (short - ref).abs().max() > 1e-2
