@@ -39,6 +39,7 @@ import contextlib
 import math
 import os
 import sys
+from unittest import mock
 
 QUICK = "--quick" in sys.argv
 if QUICK:
@@ -48,14 +49,16 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from transformers import DynamicCache, GptOssConfig, GptOssForCausalLM  # noqa: E402
+from transformers import DynamicCache, GptOssConfig, GptOssForCausalLM, StaticCache  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss as G  # noqa: E402
 
 from eval.bench_kernels import make_pool  # noqa: E402
 from eval.bench_sliding import compare_generate, interleaved, log, run_parts  # noqa: E402
-from kivi_cache import Int4PagedCache, hook  # noqa: E402
+from kivi_cache import Int4PagedCache, StaticQuantizedPagedCache, hook  # noqa: E402
 from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
+from kivi_cache.cache import INT4_PRESET  # noqa: E402
+from kivi_cache.static import StaticQuantizedPagedLayer  # noqa: E402
 
 GPT_OSS_20B = dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
@@ -172,6 +175,39 @@ def generate_rows(args, device) -> list[dict]:
                             "agree_with_eager_dynamic", weights)
 
 
+def static_rows(args, device) -> list[dict]:
+    """Part 3: the static (compileable) caches on the GPT-OSS-20B shape at ``--static-batch`` sequences, under
+    ``attn_implementation="kivi"`` (sinks served; transformers' StaticCache then runs sdpa with the sink key), the
+    step not compiled (``disable_compile``: what changes is memory, and compiling a 20B MoE three times would not fit
+    one device call): ``StaticQuantizedPagedCache`` int4 (its sliding layers reuse a ring of pages), the same with
+    the ring turned off (every sequence owning the pages of max_cache_len in every layer: the cache before session
+    24), and transformers' ``StaticCache`` (bf16; its sliding layers hold the window only)."""
+    model = build_model(args, device)
+    model.set_attn_implementation("kivi")
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    rows = []
+    for prompt in args.prompts:
+        max_len = prompt + args.new + 8
+
+        def ours(ring: bool, max_len=max_len):
+            def go():
+                cache = StaticQuantizedPagedCache(model, max_len, **INT4_PRESET)
+                patch = (contextlib.nullcontext() if ring else
+                         mock.patch.object(StaticQuantizedPagedLayer, "_ring_pages", lambda self, maxp: None))
+                return cache, patch
+            return go
+
+        caches = {
+            "hf-StaticCache-bf16": lambda: (StaticCache(config=model.config, max_cache_len=max_len),  # noqa: B023
+                                            contextlib.nullcontext()),
+            "kivi-static-int4": ours(True),
+            "kivi-static-int4-no-ring": ours(False),
+        }
+        rows += compare_generate(model, device, caches, [prompt], args.new, args.quick, "hf-StaticCache-bf16",
+                                 "agree_with_hf_static", weights, batch=args.static_batch, disable_compile=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
@@ -179,14 +215,16 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompts", default="4096,16384", help="generate part: prompt tokens")
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--parts", default="kernels,generate")
+    ap.add_argument("--parts", default="kernels,generate", help="of kernels, generate, static")
+    ap.add_argument("--static-batch", type=int, default=4, help="static part: sequences")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.context, args.prompts, args.new, args.batches = 200, "120", 6, "1,2"
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]
-    return run_parts(args, "bench_sinks", dict(kernels=kernel_rows, generate=generate_rows), {})
+    return run_parts(args, "bench_sinks", dict(kernels=kernel_rows, generate=generate_rows, static=static_rows),
+                     dict(static_batch=args.static_batch))
 
 
 if __name__ == "__main__":

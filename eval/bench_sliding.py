@@ -177,9 +177,10 @@ def build_model(args, device):
 
 
 def cache_bytes(cache) -> int:
-    if isinstance(cache, DynamicCache):
-        return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    return cache.memory_report().allocated  # pools (free pages included) and residual windows
+    if hasattr(cache, "memory_report"):  # ours: pools (free pages included) and residual windows
+        return cache.memory_report().allocated
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
 
 
 class StepTimer(LogitsProcessor):
@@ -197,13 +198,14 @@ class StepTimer(LogitsProcessor):
 
 
 def compare_generate(model, device, caches: dict, prompts, new: int, quick: bool, ref: str, agree_key: str,
-                     weights: int = 0) -> list[dict]:
-    """Greedy ``generate`` at batch 1 for each prompt length in ``prompts`` and each cache of ``caches`` (name -> a
-    function that sets the model up and returns ``(cache, context manager the run goes in)``): a warm-up run each,
-    then 3 rounds alternating between the caches (1 when ``quick``). One row per prompt and cache: median time per
-    decode step (the per-step times' median in each round), median prefill, peak memory above ``weights``, the
-    cache's bytes, the leading tokens agreeing with the ``ref`` cache's (``agree_key``), and for our caches the
-    layers served with a window and the pages in use. A run out of GPU memory is recorded as such (``error``)."""
+                     weights: int = 0, batch: int = 1, **generate_kwargs) -> list[dict]:
+    """Greedy ``generate`` (``batch`` sequences, ``generate_kwargs`` passed on) for each prompt length in
+    ``prompts`` and each cache of ``caches`` (name -> a function that sets the model up and returns ``(cache, context
+    manager the run goes in)``): a warm-up run each, then 3 rounds alternating between the caches (1 when ``quick``).
+    One row per prompt and cache: median time per decode step (the per-step times' median in each round), median
+    prefill, peak memory above ``weights``, the cache's bytes, the leading tokens of the first sequence agreeing with
+    the ``ref`` cache's (``agree_key``), and for our caches the layers served with a window and the pages in use. A
+    run out of GPU memory is recorded as such (``error``)."""
 
     def run(name, ids, n):
         cache, context = caches[name]()
@@ -215,7 +217,8 @@ def compare_generate(model, device, caches: dict, prompts, new: int, quick: bool
             with context, torch.no_grad():
                 t0 = time.perf_counter()
                 out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n,
-                                     do_sample=False, logits_processor=LogitsProcessorList([timer]))
+                                     do_sample=False, logits_processor=LogitsProcessorList([timer]),
+                                     **generate_kwargs)
         except torch.OutOfMemoryError as exc:
             del cache
             torch.cuda.empty_cache()
@@ -224,14 +227,14 @@ def compare_generate(model, device, caches: dict, prompts, new: int, quick: bool
         steps = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
         got = dict(prefill=timer.marks[0] - t0, step=statistics.median(steps), tokens=out[0, ids.shape[1]:].tolist(),
                    peak=peak, cache_bytes=cache_bytes(cache))
-        if not isinstance(cache, DynamicCache):
+        if hasattr(cache, "memory_report"):  # ours
             got["sliding_layers"] = sum(layer.sliding_window is not None for layer in cache.layers)
             got["pages_in_use"] = sum(layer.pool.pages_in_use for layer in cache.layers)
         return got
 
     rows = []
     for prompt in prompts:
-        ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
         ids = ids.to(device)
         if not quick:
             for name in caches:  # warm-up: kernels compiled, allocator primed
@@ -248,12 +251,12 @@ def compare_generate(model, device, caches: dict, prompts, new: int, quick: bool
         for name, runs in got.items():
             ok = [r for r in runs if "error" not in r]
             if not ok:
-                row = dict(cache=name, prompt=prompt, new=new, error=runs[0]["error"])
+                row = dict(cache=name, batch=batch, prompt=prompt, new=new, error=runs[0]["error"])
                 log(f"prompt {prompt} {name:20s} {row['error']}")
                 rows.append(row)
                 continue
             last = ok[-1]
-            row = dict(cache=name, prompt=prompt, new=new, runs=len(ok), errors=len(runs) - len(ok),
+            row = dict(cache=name, batch=batch, prompt=prompt, new=new, runs=len(ok), errors=len(runs) - len(ok),
                        step_ms=statistics.median(r["step"] for r in ok) * 1e3,
                        step_ms_rounds=[r["step"] * 1e3 for r in ok],
                        prefill_s=statistics.median(r["prefill"] for r in ok),

@@ -127,7 +127,9 @@ def test_sliding_window_model_compiled_and_eager_on_the_gpu():
         fallback = _gen(model, ids, QuantizedPagedCache(**cfg))
     finally:
         hook._pattern = saved
-    static = _gen(model, ids, StaticQuantizedPagedCache(model, 160 + 32, **cfg))
+    static_cache = StaticQuantizedPagedCache(model, 160 + 32, **cfg)
+    static = _gen(model, ids, static_cache)
+    assert [layer.ring for layer in static_cache.layers] == [1, 1]  # one page per sequence, reused (3 in the table)
     vs_fallback = (served == fallback).float().mean().item()
     vs_static = (static == served).float().mean().item()
     print(f"sliding window: served vs fallback {vs_fallback:.3f}, static compiled vs eager {vs_static:.3f}")
@@ -192,7 +194,9 @@ def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
         _, dropped_logits = _gen_logits(model, ids, QuantizedPagedCache(**cfg))
     finally:
         hook._sink_logits = saved
-    static, static_logits = _gen_logits(model, ids, StaticQuantizedPagedCache(model, 160 + 32, **cfg))
+    static_cache = StaticQuantizedPagedCache(model, 160 + 32, **cfg)
+    static, static_logits = _gen_logits(model, ids, static_cache)
+    assert [layer.ring for layer in static_cache.layers] == [1, None]  # the sliding layer reuses one page
     lead = min(leading_agreement(static[0].tolist(), served[0].tolist()) + 1, served.shape[1])  # same inputs so far
 
     def rel(a, b):
@@ -205,6 +209,40 @@ def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
           f"tokens agree, logits rel err {static_err:.2e} over {lead} steps; sinks dropped: first-step logits rel "
           f"err {dropped_err:.2e}")
     assert vs_fallback > 0.95 and lead >= 8 and static_err < 2e-2 and dropped_err > 5 * static_err
+
+
+def test_static_sliding_ring_over_many_rounds_on_the_gpu():
+    """StaticQuantizedPagedCache on a sliding-window model (window 64 + residual 16 of page 64: a ring of one page per
+    sequence) over 300 teacher-forced steps (the ring reused ~5 times), static step not compiled: the Triton
+    kernels' logits equal the eager cache's (which releases pages instead) at every step, and the pool holds the
+    ring only."""
+    from kivi_cache import StaticQuantizedPagedCache
+
+    model = _sliding_model().to("cuda", torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 100), generator=gen).cuda()
+    forced = torch.randint(3, 128, (2, 300), generator=gen).cuda()  # the same inputs for both caches
+    cfg = dict(key_bits=4, value_bits=4, sink_length=0, **dict(SMALL, page_size=64))
+
+    def logits(cache):
+        out = []
+        with torch.no_grad():
+            model(ids, **cache_kwargs(model, cache))
+            for i in range(forced.shape[1]):
+                step = model(forced[:, i:i + 1], **cache_kwargs(model, cache),
+                             cache_position=torch.full((1,), ids.shape[1] + i, device="cuda"))
+                out.append(step.logits[:, -1].float())
+        return torch.stack(out, 1)
+
+    ref = logits(QuantizedPagedCache(**cfg))
+    cache = StaticQuantizedPagedCache(model, 400, **cfg)
+    got = logits(cache)
+    err = ((got - ref).norm() / ref.norm()).item()
+    worst = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    print(f"static ring: logits rel err {err:.2e} over 300 steps (worst step {worst:.2e})")
+    assert err < 1e-3 and worst < 5e-3
+    for layer in cache.layers:
+        assert layer.ring == 1 and layer.pool.pages_in_use == 2 + (layer.pool.zero is not None)
 
 
 def test_decode_steps_never_synchronize_the_gpu_from_the_cache():
