@@ -28,6 +28,10 @@ heads, head_dim 64, 32 experts top-4, bf16; batch 1, ``--prompts`` tokens, ``--n
   between the caches), prefill time, peak memory above the weights, the cache's bytes, leading tokens agreeing
   with eager-DynamicCache's; an out-of-memory run is recorded as such.
 
+Part 3, ``--parts static`` (not in the default parts): the static caches at ``--static-batch`` sequences and
+``--static-max-len`` (see :func:`static_rows`): memory of StaticQuantizedPagedCache with and without the sliding
+layers' ring of pages, against transformers' StaticCache.
+
     . eval/device_env.sh && python eval/bench_sinks.py --out $OUT/bench_sinks.json    # H200, ~4 minutes
     python eval/bench_sinks.py --quick                                                # CPU smoke run
 """
@@ -187,7 +191,7 @@ def static_rows(args, device) -> list[dict]:
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     rows = []
     for prompt in args.prompts:
-        max_len = prompt + args.new + 8
+        max_len = max(args.static_max_len, prompt + args.new + 8)
 
         def ours(ring: bool, max_len=max_len):
             def go():
@@ -217,14 +221,16 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--parts", default="kernels,generate", help="of kernels, generate, static")
     ap.add_argument("--static-batch", type=int, default=4, help="static part: sequences")
+    ap.add_argument("--static-max-len", type=int, default=32768,
+                    help="static part: max_cache_len (a server's setting: larger than the prompt + new tokens)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.context, args.prompts, args.new, args.batches = 200, "120", 6, "1,2"
+        args.context, args.prompts, args.new, args.batches, args.static_max_len = 200, "120", 6, "1,2", 400
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]
     return run_parts(args, "bench_sinks", dict(kernels=kernel_rows, generate=generate_rows, static=static_rows),
-                     dict(static_batch=args.static_batch))
+                     dict(static_batch=args.static_batch, static_max_len=args.static_max_len))
 
 
 if __name__ == "__main__":

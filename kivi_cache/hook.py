@@ -97,8 +97,9 @@ def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 
     softmax, weighing no value), as GPT-OSS's eager attention computes them, without a score matrix: the sink is one
     more key, first in line, on extra channels that only it and the queries fill
     (:func:`kivi_cache.reference.sink_channels`: its logit is the sink to fp32 accuracy; every other key's logit is
-    unchanged) with a zero value. Without a mask (a plain causal prompt) one more query, first in line and
-    discarded, keeps the square causal shape, so no mask is built; a mask gets a column for the sink. Returns
+    unchanged) with a zero value. Without a mask, causal as transformers' sdpa (``is_causal``: aligned top-left):
+    for a square prompt one more query, first in line and discarded, keeps the causal shape square, so no mask is
+    built; a mask gets a column for the sink. Returns
     ``([B, L, Hq, D], None)`` like transformers' attention functions."""
     sinks = _sink_logits(kwargs)
     bsz, hq, lq, d = query.shape
@@ -108,8 +109,9 @@ def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 
     e = d + reference.SINK_CHANNELS
     q_sink = reference.sink_channels(sinks.to(query.device), scaling, query.dtype)
     causal = attention_mask is None and lq > 1
-    if causal and lq != lk:  # a chunk after a history without a mask: build the (bottom-right) causal one
-        rows = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
+    if causal and lq != lk:  # no mask means sdpa's is_causal (transformers' sdpa): aligned top-left, query i sees
+        # keys 0..i (a prompt in a static buffer longer than it); transformers gives a mask wherever that is wrong
+        rows = torch.arange(lq, device=query.device)[:, None]
         attention_mask = (torch.arange(lk, device=query.device)[None, :] <= rows)[None, None]
         causal = False
     extra = int(causal)  # the discarded first query

@@ -598,7 +598,8 @@ def test_learned_attention_sinks_are_served(monkeypatch):
 def test_sdpa_with_sinks_matches_gpt_oss_eager_attention():
     """The sink-aware sdpa (prompt, fallback, other caches) against GPT-OSS's own eager attention function over
     masks of every kind it meets: none (a causal prompt: one discarded query keeps it square), a bool mask with
-    padding and a window, a float mask, a chunk after a history without a mask (built bottom-right); fp32 and
+    padding and a window, a float mask, fewer queries than keys without a mask (top-left, as sdpa's is_causal:
+    a prompt in transformers' StaticCache buffer); fp32 and
     bf16 (the sink split over two channels keeps it to fp32 accuracy)."""
     from transformers.models.gpt_oss import modeling_gpt_oss as G
 
@@ -619,8 +620,9 @@ def test_sdpa_with_sinks_matches_gpt_oss_eager_attention():
             padded = causal[None, None].repeat(2, 1, 1, 1)
             padded[1, :, :, :3] = False
             floating = torch.where(window, 0.0, torch.finfo(dtype).min)[None, None].to(dtype)
+            top_left = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None]
             for mask in (None, window[None, None], padded, floating):
-                dense = causal[None, None] if mask is None else mask
+                dense = top_left[None, None] if mask is None else mask
                 if dense.dtype == torch.bool:
                     dense = torch.where(dense, 0.0, torch.finfo(torch.float32).min)
                 want, _ = G.eager_attention_forward(module, q.float(), k.float(), v.float(), dense.float(),
@@ -629,6 +631,22 @@ def test_sdpa_with_sinks_matches_gpt_oss_eager_attention():
                 assert got.shape == want.shape and got.dtype == dtype
                 err = ((got.float() - want).norm() / want.norm()).item()
                 assert err < tol, (dtype, lq, lk, None if mask is None else mask.dtype, err)
+
+
+def test_learned_sinks_with_transformers_static_cache():
+    """GPT-OSS under our attention (``kivi``) with transformers' own StaticCache: the prompt's full layer gets keys
+    of the whole static buffer and no mask (sdpa's is_causal, aligned top-left); the logits equal GPT-OSS's eager
+    attention with the same cache (before: the mask was built aligned bottom-right, logits 0.7 off)."""
+    from transformers import StaticCache
+
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for impl in ("eager", "kivi"):
+        torch.manual_seed(0)
+        model = _gpt_oss(attn=impl)
+        out[impl] = _generate(model, ids, torch.ones_like(ids), StaticCache(config=model.config, max_cache_len=100))
+    assert torch.equal(out["kivi"][0], out["eager"][0])
+    torch.testing.assert_close(out["kivi"][1], out["eager"][1], rtol=1e-4, atol=1e-4)
 
 
 def test_eager_attention_over_a_quantized_history_warns_once(monkeypatch):
