@@ -22,8 +22,9 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
 
 Same stored values and attention as ``QuantizedPagedCache`` with the same settings (tested
 token for token), sliding windows included (the step's attention reads the window the prompt's attention
-learned; a sliding layer's pages are released only while the prompt is stored: in static mode every sequence
-keeps the fixed pages of ``max_cache_len``). Not supported in static mode: beam search, cropping, several tokens per
+learned; in static mode a sliding layer's sequence reuses a ring of :func:`ring_pages` pages, ``ceil((window -
+residual_length) / page_size)``, where a full layer's owns the pages of ``max_cache_len``: Gemma 3, GPT-OSS and
+Mistral-style models hold their sliding layers' window only, as transformers' StaticCache does). Not supported in static mode: beam search, cropping, several tokens per
 sequence after the first decode step (assisted decoding), growing past ``max_cache_len``. A prompt may
 come in chunks (``generate(..., prefill_chunk_size=)``): each chunk is stored eagerly, also when the forward
 is compiled (generate compiles the chunks' forward too): the cache update and the attention of a step before
