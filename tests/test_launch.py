@@ -68,6 +68,20 @@ def test_launcher_launches_the_cached_kernel_with_triton_s_argument_list(gpu_lik
     assert jit.compiled.calls[-1][9:] == (y.data_ptr(), 7, 16, 0) and launch.fast_launches == 2
 
 
+def test_installed_triton_launches_as_the_fast_path_assumes():
+    """The direct launch repeats the call ``JITFunction.run`` ends with (Triton 3.6 to 3.9): ``kernel.run(grid x 3,
+    stream, function, packed metadata, launch metadata, enter hook, exit hook, *every bound argument)``. Read from
+    the installed Triton's source, so a Triton that changes it fails here (the GPU path is not in CI)."""
+    import re
+
+    from triton.runtime.jit import JITFunction
+
+    src = re.sub(r"\s+", " ", inspect.getsource(JITFunction.run))
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())") in src
+    assert "bound_args, specialization, options = binder(*args, **kwargs)" in src  # every parameter, in order
+
+
 def test_launcher_goes_through_triton_for_a_new_key_a_misaligned_pointer_or_a_hook(gpu_like, monkeypatch):
     jit = _JIT()
     launch = U.Launcher(jit)

@@ -56,9 +56,11 @@ def test_top_level_kernels_from_the_repository_root():
         print("available", is_kernels_available())
         print("file", getattr(kernels, "__file__", None))
     """)
-    assert f"available {installed}" in out
-    if installed:  # the Hub package itself, from site-packages
+    if installed:  # the Hub package itself, from site-packages (whether transformers accepts its version varies:
+        # 5.17 reads kernels 0.19 as unavailable, 5.25 requires it)
         assert "site-packages" in out and str(ROOT / "kernels") not in out, out
+    else:
+        assert "available False" in out
 
 
 def test_top_level_kernels_hands_over_to_the_hub_package(tmp_path):
