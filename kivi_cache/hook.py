@@ -97,7 +97,8 @@ def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 
     softmax, weighing no value), as GPT-OSS's eager attention computes them, without a score matrix: the sink is one
     more key, first in line, on extra channels that only it and the queries fill
     (:func:`kivi_cache.reference.sink_channels`: its logit is the sink to fp32 accuracy; every other key's logit is
-    unchanged) with a zero value. Without a mask, causal as transformers' sdpa (``is_causal``: aligned top-left):
+    unchanged) with a zero value. Without a mask, causal as transformers' sdpa (``is_causal``: aligned top-left;
+    not for a module or call marked ``is_causal=False``, a bidirectional encoder: then every key is seen):
     for a square prompt one more query, first in line and discarded, keeps the causal shape square, so no mask is
     built; a mask gets a column for the sink. Returns
     ``([B, L, Hq, D], None)`` like transformers' attention functions."""
@@ -108,7 +109,12 @@ def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 
         scaling = d ** -0.5
     e = d + reference.SINK_CHANNELS
     q_sink = reference.sink_channels(sinks.to(query.device), scaling, query.dtype)
-    causal = attention_mask is None and lq > 1
+    # causal as transformers' sdpa decides it: the is_causal argument, else the module's flag (a bidirectional
+    # encoder with sinks, such as OpenAI's privacy filter, sets is_causal=False and gets no mask when nothing is padded)
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = attention_mask is None and lq > 1 and bool(is_causal)
     if causal and lq != lk:  # no mask means sdpa's is_causal (transformers' sdpa): aligned top-left, query i sees
         # keys 0..i (a prompt in a static buffer longer than it); transformers gives a mask wherever that is wrong
         rows = torch.arange(lq, device=query.device)[:, None]
