@@ -130,11 +130,16 @@ def test_bench_sliding_quick_run(tmp_path):
 
 def test_bench_sinks_quick_run(tmp_path):
     """The learned-sinks benchmark end to end on a tiny GPT-OSS: the kernel with sink logits matches the reference,
-    the served cache holds a sliding layer, and every cache generates the eager model's greedy tokens."""
+    the served cache holds a sliding layer, and every cache generates the eager model's greedy tokens; the static
+    part's caches too (transformers' StaticCache under "kivi" among them), the ring holding fewer pages."""
     from eval import bench_sinks
 
-    res = bench_sinks.main(["--quick", "--out", str(tmp_path / "s.json")])
+    res = bench_sinks.main(["--quick", "--parts", "kernels,generate,static", "--out", str(tmp_path / "s.json")])
     assert all(row["rel_err_sinks"] < 1e-2 for row in res["kernels"])
     rows = {row["cache"]: row for row in res["generate"]}
     assert rows["kivi-int4"]["sliding_layers"] == 1 and rows["eager-int4-fallback"]["sliding_layers"] == 0
     assert all(row["agree_with_eager_dynamic"] == 6 for row in rows.values())
+    # the static part: the ring holds fewer pages than the fixed pages of max_cache_len, same tokens throughout
+    static = {row["cache"]: row for row in res["static"]}
+    assert static["kivi-static-int4"]["pages_in_use"] < static["kivi-static-int4-no-ring"]["pages_in_use"]
+    assert all(row["agree_with_hf_static"] == 6 for row in static.values())
