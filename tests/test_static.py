@@ -373,12 +373,12 @@ def test_prefill_errors():
         prefill(model, cache, ids)
 
 
-def _mistral(window=24):
+def _mistral(window=24, head_dim=32):
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, sliding_window=window,
                         max_position_embeddings=512, pad_token_id=0)
     return MistralForCausalLM(cfg).eval()
 
@@ -500,3 +500,24 @@ def test_static_sliding_layer_reuses_a_ring_of_pages(monkeypatch):
     monkeypatch.setattr(StaticQuantizedPagedLayer, "_ring_pages", lambda self, maxp: ring - 1)
     _, short = _scores(model, ids, StaticQuantizedPagedCache(model, 300, **CFG), 170)
     assert (short - ref).abs().max() > 1e-2
+
+
+def test_static_ring_on_the_kernels_matches_the_reference():
+    """The ring of a sliding layer through the Triton kernels (on CPU the interpreter: append_and_flush writing into
+    reused pages, the windowed decode kernel reading them): the torch reference path's tokens and logits over 40
+    steps (window 40, residual 16, page 32: a ring of 1 page, written for a second page's tokens)."""
+    model = _mistral(window=40, head_dim=64)  # a head_dim the kernels take
+    cfg = dict(CFG, sink_length=0)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(6))
+    res = {}
+    try:
+        for backend in ("torch", "triton"):
+            ops.set_backend(backend)
+            cache = StaticQuantizedPagedCache(model, 128, **cfg)
+            res[backend] = _scores(model, ids, cache, 40)
+            assert [layer.ring for layer in cache.layers] == [1, 1]
+            assert cache.layers[0].q_len.tolist() == [48, 48]  # 70 tokens: 3 flushes of 16, the third into page 1
+    finally:
+        ops.set_backend("auto")
+    assert torch.equal(res["torch"][0], res["triton"][0])
+    torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-4, atol=1e-4)
