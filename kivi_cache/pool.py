@@ -9,6 +9,8 @@ pages whose count drops to zero.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .config import QuantConfig
@@ -30,6 +32,16 @@ class PagePool:
         self.tensors = {name: torch.zeros((0, *shape), dtype=dt, device=device)
                         for name, (shape, dt) in self._page_shapes().items()}
         self._grow(cfg.num_pages)
+
+    def __deepcopy__(self, memo):
+        """A copy with its own tensors and no decode runner (a cache deep-copied mid-generation, to branch it): a
+        runner's Triton launch state (compiled kernels, the raw pointers of these tensors) can neither be copied
+        (deepcopy raised TypeError on the GPU) nor serve the copy's tensors; the copy plans its own at its next step."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, None if name == "decode_runner" else copy.deepcopy(value, memo))
+        return new
 
     # shapes of one page of each tensor (see reference.py)
     def _page_shapes(self):

@@ -41,6 +41,8 @@ tokens 31.9 ms against 35.1 for the eager ``QuantizedPagedCache`` (session 17,
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import hook, ops
@@ -356,10 +358,15 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len)
                        for _ in range(text.num_hidden_layers)]
         bound = 0
+        # each layer's attention modules (weak references: a deepcopy of the cache keeps them, not copies of the
+        # model), which update() binds to the cache in use again (a copy, or an earlier cache used once more)
+        self._bound_modules: list[list] = [[] for _ in self.layers]
         for module in model.modules():
             if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
                 module._kivi_static = self  # the newest static cache of this model wins
                 bound += 1
+                if module.layer_idx < len(self.layers):
+                    self._bound_modules[module.layer_idx].append(weakref.ref(module))
                 if module.layer_idx < len(self.layers):  # its window as declared (Gemma, GPT-OSS: per layer;
                     # Mistral: the config's), only to size the pool: the hook tells the layer what it serves
                     hint = getattr(module, "sliding_window", getattr(getattr(module, "config", None),
@@ -370,7 +377,20 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
                              f"{text.num_hidden_layers} layers; this model is not supported")
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            self._bind(layer_idx)
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def _bind(self, layer_idx: int) -> None:
+        """Bind the layer's attention modules to this cache (eager steps): the hook finds the static layer through
+        the module, and the binding names the newest cache made for the model. A deep copy of a cache (to branch a
+        generation) or an earlier cache used again would otherwise be served by the bound cache's layer check,
+        which fails, and get plain attention over its bare window: a shape error, or with learned sinks (GPT-OSS)
+        silently wrong logits."""
+        for ref in self._bound_modules[layer_idx] if layer_idx < len(self._bound_modules) else ():
+            module = ref()
+            if module is not None and module.__dict__.get("_kivi_static") is not self:
+                module._kivi_static = self
 
     @property
     def is_compileable(self) -> bool:
