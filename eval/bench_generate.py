@@ -1394,6 +1394,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-expandable", action="store_true",
                     help="do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by default)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration (2)")
+    ap.add_argument("--allow-fallback", action="store_true",
+                    help="time kivi rows on a GPU even where the Triton kernels do not load (torch reference)")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (510)")
     ap.add_argument("--min-row-s", type=float, default=None,
                     help="a max-batch row is not started with less time left (25 s)")
@@ -1453,6 +1455,12 @@ def main(argv=None):
     dtype = torch.float16 if dev.cuda else torch.float32
     quanto_info = setup_quanto(args.quanto_ext) if any(c.startswith("quanto") for c in args.caches) else {
         "available": False, "error": "not requested", "unpack": None}
+    kernels = kivi_cache.kernel_error() if dev.cuda else None
+    if kernels is not None and kivi_cache.get_backend() != "torch" and any(c.startswith("kivi") for c in args.caches):
+        if not args.allow_fallback:  # session 26 timed kivi rows on the torch reference from a bare checkout
+            raise SystemExit(f"bench_generate: kivi_cache's Triton kernels do not load on this GPU ({kernels}); the "
+                             "kivi rows would time the torch reference. Install the project (pip install -e .) or "
+                             "link them (ln -sfn ../kernels kivi_cache/kernels), or pass --allow-fallback")
     out_path = os.path.abspath(args.out)
     runner = Runner(args, dev, quanto_info, out_path)
 
@@ -1478,6 +1486,7 @@ def main(argv=None):
         meta=dict(gpu=gpu, device=str(device), dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
                   cuda=torch.version.cuda, transformers=transformers.__version__, triton=triton_version,
                   kivi_cache=kivi_cache.__version__, kivi_backend=kivi_cache.get_backend(), git=git_commit(),
+                  kivi_kernels="cpu" if not dev.cuda else (kernels or "triton"),
                   python=platform.python_version(), platform=platform.platform(), argv=sys.argv,
                   quanto=quanto_info, budget_bytes=budget_bytes,
                   memory_fraction=None if not total else budget_bytes / total,

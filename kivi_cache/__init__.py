@@ -9,7 +9,7 @@ from .cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, QuantizedPage
 from .compat import cache_arg_name, cache_kwargs
 from .config import QuantConfig
 from .memory import MemoryReport
-from .ops import get_backend, set_backend
+from .ops import get_backend, kernel_error, set_backend
 from .prefill import prefill
 from .static import StaticQuantizedPagedCache
 
@@ -27,6 +27,7 @@ __all__ = [
     "cache_kwargs",
     "set_backend",
     "get_backend",
+    "kernel_error",
     "prefill",
 ]
 __version__ = "0.1.0"

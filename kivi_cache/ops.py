@@ -46,6 +46,14 @@ def _load_kernels():
     return _kernels
 
 
+def kernel_error() -> str | None:
+    """None where the Triton kernels load (what ``"auto"`` uses on CUDA tensors), else why not (the import's
+    error): a benchmark or a serving loop on a GPU can refuse to run on the slow reference instead of only warning
+    (a checkout run without installing it, say, where ``kivi_cache.kernels`` is not importable)."""
+    _load_kernels()
+    return _kernel_error
+
+
 def _impl(device_type: str):
     global _warned
     if _backend == "torch":
