@@ -1446,6 +1446,19 @@ def parse_args(argv=None):
     return args
 
 
+def require_kernels(script: str, cuda: bool | None = None) -> None:
+    """Exit where a GPU run would time kivi_cache's torch reference instead of its Triton kernels (they do not load:
+    a bare checkout on the device without the ``kivi_cache/kernels`` link, as in session 26's first call)."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    err = kivi_cache.kernel_error() if cuda else None
+    if err is not None and kivi_cache.get_backend() != "torch":
+        raise SystemExit(f"{script}: kivi_cache's Triton kernels do not load on this GPU ({err}); the kivi rows would "
+                         "time the torch reference. Install the project (pip install -e .) or source "
+                         "eval/device_env.sh (it links kernels/ as kivi_cache/kernels), or pass --allow-fallback "
+                         "where the script has it")
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1456,11 +1469,8 @@ def main(argv=None):
     quanto_info = setup_quanto(args.quanto_ext) if any(c.startswith("quanto") for c in args.caches) else {
         "available": False, "error": "not requested", "unpack": None}
     kernels = kivi_cache.kernel_error() if dev.cuda else None
-    if kernels is not None and kivi_cache.get_backend() != "torch" and any(c.startswith("kivi") for c in args.caches):
-        if not args.allow_fallback:  # session 26 timed kivi rows on the torch reference from a bare checkout
-            raise SystemExit(f"bench_generate: kivi_cache's Triton kernels do not load on this GPU ({kernels}); the "
-                             "kivi rows would time the torch reference. Install the project (pip install -e .) or "
-                             "link them (ln -sfn ../kernels kivi_cache/kernels), or pass --allow-fallback")
+    if any(c.startswith("kivi") for c in args.caches) and not args.allow_fallback:
+        require_kernels("bench_generate", cuda=dev.cuda)
     out_path = os.path.abspath(args.out)
     runner = Runner(args, dev, quanto_info, out_path)
 

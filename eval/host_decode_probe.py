@@ -330,6 +330,7 @@ def main():
                          "kivi+KIVI_DECODE_MERGE_MAX=256): no-sync step medians of each in turn, in one process")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    bg.require_kernels("host_decode_probe")
     dev = torch.device(args.device)
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     if args.op_only:

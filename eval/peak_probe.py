@@ -43,6 +43,7 @@ ap.add_argument("--max-entries", type=int, default=4_000_000,
                 help="with --snapshot: allocator events kept (a longer run keeps only its tail: `truncated`)")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
+bg.require_kernels("peak_probe")
 order = []
 for entry in args.order.split(","):
     name, _, batch = entry.partition(":")

@@ -30,7 +30,7 @@ import kivi_cache  # noqa: E402, I001  (first: bench_generate puts this checkout
 
 from transformers import StaticCache  # noqa: E402
 
-from bench_generate import MODELS, build_model  # noqa: E402
+from bench_generate import MODELS, build_model, require_kernels  # noqa: E402
 from kivi_cache import StaticQuantizedPagedCache, cache_kwargs  # noqa: E402
 
 
@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--caches", default="fp16-static,kivi-int4-static")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_kernels("static_step_probe")
     dev = torch.device("cuda")
     model = build_model("llama3-8b", dev, torch.float16)
     g = torch.Generator().manual_seed(0)
