@@ -24,18 +24,18 @@ Same stored values and attention as ``QuantizedPagedCache`` with the same settin
 sliding windows included (the step's attention reads the window the prompt's attention learned; in static mode
 a sliding layer's sequence reuses a ring of :func:`ring_pages` pages, ``ceil((window - residual_length) /
 page_size)``, where a full layer's owns the pages of ``max_cache_len``: Gemma 3, GPT-OSS and Mistral-style
-models hold their sliding layers' window only, as transformers' StaticCache does). Not supported in static
-mode: beam search, cropping, several tokens per sequence after the first decode step (assisted decoding),
-growing past ``max_cache_len``. A prompt may come in chunks (``generate(..., prefill_chunk_size=)``): each
-chunk is stored eagerly, also when the forward is compiled (generate compiles the chunks' forward too): the
-cache update and the attention of a step before the static mode are ``torch.compiler.disable``'d, so such a
-step breaks its graph once per layer into plain Python and dynamo never traces the bookkeeping. The compiled
-chunks still cost compile time and CUDA-graph memory (2.6 GiB at 320 sequences of 4k tokens):
-:func:`kivi_cache.prefill` stores the prompt without them. Measured on an H200 (Llama-3-8B shape, ``generate``
-compiling the step with inductor and CUDA graphs, session 18, ``eval/bench_generate.py``): batch 1, 8.59 ms a
-decode step at 1k context and 9.23 ms at 32k, against 8.57 / 18.68 ms for transformers' compiled
-``StaticCache`` in the same runs (``eval/results/bench_generate_{b1,long}_s18.json``); at 320 sequences of 4k
-tokens 31.9 ms against 35.1 for the eager ``QuantizedPagedCache`` (session 17,
+models hold their sliding layers' window only, as transformers' StaticCache does). Beam search copies the
+chosen beams' pages into the others' (eagerly, as generate runs it). Not supported in static mode: cropping,
+several tokens per sequence after the first decode step (assisted decoding), growing past ``max_cache_len``.
+A prompt may come in chunks (``generate(..., prefill_chunk_size=)``): each chunk is stored eagerly, also when the
+forward is compiled (generate compiles the chunks' forward too): the cache update and the attention of a step before
+the static mode are ``torch.compiler.disable``'d, so such a step breaks its graph once per layer into plain Python
+and dynamo never traces the bookkeeping. The compiled chunks still cost compile time and CUDA-graph memory (2.6 GiB
+at 320 sequences of 4k tokens): :func:`kivi_cache.prefill` stores the prompt without them. Measured on an H200
+(Llama-3-8B shape, ``generate`` compiling the step with inductor and CUDA graphs, session 18,
+``eval/bench_generate.py``): batch 1, 8.59 ms a decode step at 1k context and 9.23 ms at 32k, against 8.57 / 18.68
+ms for transformers' compiled ``StaticCache`` in the same runs (``eval/results/bench_generate_{b1,long}_s18.json``);
+at 320 sequences of 4k tokens 31.9 ms against 35.1 for the eager ``QuantizedPagedCache`` (session 17,
 ``bench_generate_static_mb_s17.json``).
 """
 
@@ -295,8 +295,45 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                                       "use QuantizedPagedCache")
 
     def reorder_cache(self, beam_idx):
-        self._unsupported("beam search")
-        super().reorder_cache(beam_idx)
+        """Beam search in static mode (generate runs it eagerly): sequence ``i`` takes the stored tokens of
+        ``beam_idx[i]``. Every sequence keeps its own fixed pages, so the parents' page contents are copied into
+        the children's pages (table entry by table entry, after one gather: a parent may also be a child), and the
+        windows and lengths follow by rows, all in place (the tensors the compiled step captured stay valid).
+        Beams of one prompt have equal lengths, so their tables' entries correspond; a reorder across sequences
+        whose zero-page entries differ (released tokens of a sliding layer) is refused."""
+        if not self.static:
+            return super().reorder_cache(beam_idx)
+        index = [int(i) for i in (beam_idx.tolist() if isinstance(beam_idx, torch.Tensor) else beam_idx)]
+        if len(index) != self.batch_size or any(i < 0 or i >= self.batch_size for i in index):
+            raise IndexError(f"beam_idx must hold {self.batch_size} indices in [0, {self.batch_size}) (beam search "
+                             f"keeps the batch size in static mode), got {index}")
+        if index == list(range(self.batch_size)):
+            return
+        zero, p = self.pool.zero, self.cfg.page_size
+        used = [-(-q // p) for q in self.q_len.tolist()]  # entries holding stored tokens (beam search syncs anyway)
+        dst, src, done = [], [], set()
+        for child, parent in enumerate(index):
+            if child == parent:
+                continue
+            for d, s in zip(self.tables[child][:used[parent]], self.tables[parent][:used[parent]], strict=True):
+                if (d == zero) != (s == zero):
+                    raise ValueError("StaticQuantizedPagedCache.reorder_cache: sequences "
+                                     f"{child} and {parent} hold different released pages; only beams of one "
+                                     "prompt can be reordered")
+                if d != zero and d not in done:
+                    done.add(d)
+                    dst.append(d)
+                    src.append(s)
+        if dst:
+            d_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+            s_t = torch.tensor(src, dtype=torch.long, device=self.device)
+            for t in self.pool.args():
+                t.index_copy_(0, d_t, t.index_select(0, s_t))
+        rows = torch.tensor(index, dtype=torch.long, device=self.device)
+        for t in (self.res_k, self.res_v, self.q_len, self.r_len, self.sink_len):
+            t.copy_(t.index_select(0, rows))
+        for name in ("q_lens", "r_lens", "pads", "sinks", "hidden"):
+            setattr(self, name, [getattr(self, name)[i] for i in index])
 
     def crop(self, tokens_to_remove):
         self._unsupported("crop")

@@ -143,6 +143,55 @@ def test_generation_modes_match_dynamic_cache(monkeypatch, family, mode):
         assert _teacher_error(model, seq, steps[:-1], first.shape[1]) < 1e-2
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_beam_search_with_a_static_cache(monkeypatch, family):
+    """Beam search reorders a static cache after every step (generate runs it eagerly): the beams' pages are
+    copied into the children's, the windows and lengths follow. Tokens equal the eager cache's and DynamicCache's,
+    over flushes, ring pages (sliding layers) and sinks; a reorder that kept the old rows gives other tokens."""
+    model = FAMILIES[family]()
+    ids = _prompt(model)
+    kw = dict(max_new_tokens=48, min_new_tokens=48, num_beams=3, num_return_sequences=2, do_sample=False)
+    ref = _generate(model, ids, _reference_cache(model), **kw)
+    eager = _generate(model, ids, QuantizedPagedCache(**Q8), **kw)
+    calls = []
+    real = StaticQuantizedPagedCache.reorder_cache
+    monkeypatch.setattr(StaticQuantizedPagedCache, "reorder_cache", lambda self, i: calls.append(i) or real(self, i))
+    try:
+        static = _generate(model, ids, StaticQuantizedPagedCache(model, 128, **Q8), **kw)
+    finally:
+        unbind_static(model)
+    assert torch.equal(static, eager) and torch.equal(static, ref)
+    assert any(not torch.equal(i.cpu(), torch.arange(len(i))) for i in calls)  # the beams did move
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_static_reorder_copies_the_parents_pages(family):
+    """Three different sequences of equal length, 40 decode steps (flushes into pages, ring pages reused on sliding
+    layers), then ``reorder_cache([2, 0, 0])`` and 30 more steps on the chosen rows' tokens: the static cache's logits
+    equal the eager cache's (whose reorder shares pages). Beam search rarely reorders beams that differ in their
+    paged tokens; this does, so a child that kept its own pages (or window, or lengths) fails here."""
+    model = FAMILIES[family]()
+    x = torch.randint(1, 128, (3, 120), generator=torch.Generator().manual_seed(5))
+    rows = torch.tensor([2, 0, 0])
+
+    def run(cache):
+        out = []
+        with torch.no_grad():
+            model(x[:, :50], **cache_kwargs(model, cache))
+            for t in range(50, 90):
+                out.append(model(x[:, t:t + 1], **cache_kwargs(model, cache)).logits)
+            cache.reorder_cache(rows)
+            for t in range(90, 120):
+                out.append(model(x[rows, t:t + 1], **cache_kwargs(model, cache)).logits)
+        return torch.cat(out, 1)
+
+    try:
+        static = run(StaticQuantizedPagedCache(model, 128, **Q8))
+    finally:
+        unbind_static(model)
+    torch.testing.assert_close(static, run(QuantizedPagedCache(**Q8)), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
 def test_deepcopy_of_a_static_cache_continues_on_its_own(family):
     """A static cache binds itself to the model's attention modules; a deep copy was not bound, so its decode steps

@@ -147,8 +147,10 @@ def test_static_errors():
         model(ids[:, :1], **cache_kwargs(model, cache), cache_position=torch.tensor([40]))  # the first decode step
         with pytest.raises(ValueError, match="one token per sequence"):
             model(ids[:, :3], **cache_kwargs(model, cache))
-    with pytest.raises(NotImplementedError, match="beam search"):
-        cache.reorder_cache(torch.tensor([0]))
+    with pytest.raises(IndexError, match=r"beam_idx must hold 1 indices in \[0, 1\)"):
+        cache.reorder_cache(torch.tensor([0, 0]))
+    with pytest.raises(NotImplementedError, match="batch_repeat_interleave"):
+        cache.batch_repeat_interleave(2)
 
 
 def test_static_layer_keys_equal_the_eager_caches():
