@@ -518,3 +518,43 @@ def test_deepcopy_mid_generation_on_the_gpu():
         err = ((got - want).norm() / want.norm()).item()
         print(f"deep-copied static cache vs a never-copied one: logits rel err {err:.2e}")
         assert err < 1e-3
+
+
+def test_static_cache_beam_search_and_reorder_on_the_gpu():
+    """Beam search with StaticQuantizedPagedCache on CUDA (the Triton kernels; generate runs beam search eagerly)
+    gives the eager cache's tokens, and a reorder between different sequences ([2, 0, 0] after 60 steps) gives the
+    eager cache's logits afterwards (8-bit, so that both caches' quantization agree closely)."""
+    from models import unbind_static
+
+    from kivi_cache import StaticQuantizedPagedCache
+
+    model = tiny_llama_d64().to("cuda", torch.float16)
+    q8 = dict(key_bits=8, value_bits=8, **dict(SMALL, page_size=64))
+    x = torch.randint(1, 128, (3, 160), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    rows = torch.tensor([2, 0, 0], device="cuda")
+    kw = dict(max_new_tokens=40, min_new_tokens=40, num_beams=3, do_sample=False)
+
+    def run(cache):
+        out = []
+        with torch.no_grad():
+            model(x[:, :70], **cache_kwargs(model, cache))
+            for t in range(70, 130):
+                out.append(model(x[:, t:t + 1], **cache_kwargs(model, cache)).logits)
+            cache.reorder_cache(rows)
+            for t in range(130, 160):
+                out.append(model(x[rows, t:t + 1], **cache_kwargs(model, cache)).logits)
+        return torch.cat(out, 1).float()
+
+    try:
+        with torch.no_grad():
+            beams = model.generate(x[:1, :70], **cache_kwargs(model, StaticQuantizedPagedCache(model, 128, **q8)),
+                                   **kw)
+        static = run(StaticQuantizedPagedCache(model, 192, **q8))
+    finally:
+        unbind_static(model)
+    with torch.no_grad():
+        ref = model.generate(x[:1, :70], **cache_kwargs(model, QuantizedPagedCache(**q8)), **kw)
+    eager = run(QuantizedPagedCache(**q8))
+    err = ((static - eager).norm() / eager.norm()).item()
+    print(f"static reorder vs eager: logits rel err {err:.2e}; beam tokens equal {torch.equal(beams, ref)}")
+    assert torch.equal(beams, ref) and err < 2e-3
