@@ -59,3 +59,20 @@ def unbind_static(model) -> None:
     later tests share (the session's SmolLM2, tests/conftest.py)."""
     for module in model.modules():
         module.__dict__.pop("_kivi_static", None)
+
+
+def steps_with_reorder(model, x, cache, prompt: int, reorder_at: int, rows):
+    """Logits ``[B, steps, vocab]`` (float) of one-token steps over ``x`` ``[B, T]`` after a ``prompt``-token prefill,
+    with ``cache.reorder_cache(rows)`` before step ``reorder_at``, after which row ``i`` continues on the tokens of
+    ``x[rows[i]]``."""
+    from kivi_cache import cache_kwargs
+
+    out = []
+    with torch.no_grad():
+        model(x[:, :prompt], **cache_kwargs(model, cache))
+        for t in range(prompt, x.shape[1]):
+            if t == reorder_at:
+                cache.reorder_cache(rows)
+            ids = x[:, t:t + 1] if t < reorder_at else x[rows, t:t + 1]
+            out.append(model(ids, **cache_kwargs(model, cache)).logits)
+    return torch.cat(out, 1).float()

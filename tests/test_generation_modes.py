@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 import transformers as T
-from models import unbind_static
+from models import steps_with_reorder, unbind_static
 from transformers import DynamicCache
 
 from kivi_cache import QuantizedPagedCache, StaticQuantizedPagedCache, cache_kwargs, ops
@@ -175,15 +175,7 @@ def test_static_reorder_copies_the_parents_pages(family):
     rows = torch.tensor([2, 0, 0])
 
     def run(cache):
-        out = []
-        with torch.no_grad():
-            model(x[:, :50], **cache_kwargs(model, cache))
-            for t in range(50, 90):
-                out.append(model(x[:, t:t + 1], **cache_kwargs(model, cache)).logits)
-            cache.reorder_cache(rows)
-            for t in range(90, 120):
-                out.append(model(x[rows, t:t + 1], **cache_kwargs(model, cache)).logits)
-        return torch.cat(out, 1)
+        return steps_with_reorder(model, x, cache, 50, 90, rows)
 
     try:
         static = run(StaticQuantizedPagedCache(model, 128, **Q8))

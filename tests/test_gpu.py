@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from models import SMALL, decisive_prompt, tiny_llama_d64
+from models import SMALL, decisive_prompt, steps_with_reorder, tiny_llama_d64
 from transformers import DynamicCache
 
 import kivi_cache
@@ -535,15 +535,7 @@ def test_static_cache_beam_search_and_reorder_on_the_gpu():
     kw = dict(max_new_tokens=40, min_new_tokens=40, num_beams=3, do_sample=False)
 
     def run(cache):
-        out = []
-        with torch.no_grad():
-            model(x[:, :70], **cache_kwargs(model, cache))
-            for t in range(70, 130):
-                out.append(model(x[:, t:t + 1], **cache_kwargs(model, cache)).logits)
-            cache.reorder_cache(rows)
-            for t in range(130, 160):
-                out.append(model(x[rows, t:t + 1], **cache_kwargs(model, cache)).logits)
-        return torch.cat(out, 1).float()
+        return steps_with_reorder(model, x, cache, 70, 130, rows)
 
     try:
         with torch.no_grad():
