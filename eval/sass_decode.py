@@ -108,6 +108,7 @@ def summary(argv):
     st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
+    const.setdefault("VHINT", attention._vhint(const["D"], const["BLOCK"])["VHINT"])  # as the launch sets it
     warps = int(os.environ.get("W", 1))
     k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
@@ -141,7 +142,8 @@ def summary(argv):
                 loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
                 hmma=sum(v for k, v in c.items() if k.startswith("HMMA")),
                 atom_acq_rel_gpu=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", k.asm["ptx"])),
-                ld_cg=len(re.findall(r"ld\.global\.cg", k.asm["ptx"])))
+                ld_cg=len(re.findall(r"ld\.global\.cg", k.asm["ptx"])),
+                cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10", k.asm["ptx"])))
 
 
 def main():

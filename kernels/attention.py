@@ -272,6 +272,7 @@ def _decode_split_kernel(
     MERGE: tl.constexpr = 0,  # the last program of a (sequence, KV head) merges the partials into out (no 2nd kernel)
     BM: tl.constexpr = 1,  # MERGE: next power of two of the programs per pair (NS + window chunks)
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
+    VHINT: tl.constexpr = 0,  # the value words' offset declared a multiple of a step's words (_vhint)
     SRCMIN: tl.constexpr = EXACT,  # codes read in place from this mantissa bit up (unpack.field; EXACT: top only)
     SLIDING: tl.constexpr = 0,  # sliding-window attention: only the last SWIN stored tokens are seen
     SINK: tl.constexpr = 0,  # MERGE: learned attention sinks, one logit per query head at sink_ptr (natural log)
@@ -416,9 +417,13 @@ def _decode_split_kernel(
                 # c2 = W channels of one value group; plane k of a word holds tokens TW w + 4k + j, one MMA each
                 s32 = vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp + start % P) // 2
                 z32 = vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp + start % P) // 2
+                if VHINT:  # steps start at multiples of BLOCK (t0 is page-aligned or, sliding, step-aligned;
+                    # P % BLOCK == 0): said so, Triton 3.6 copies value words 16 bytes at a time, not 4 (_vhint)
+                    vword = tl.multiple_of((start % P) // TW, BLOCK // TW)
+                else:
+                    vword = (start % P) // TW
                 for c2 in tl.static_range(NW):
-                    words = tl.load(vw_h + page * s_vcp + (c2 * W + wr)[:, None] * (P // TW)
-                                    + ((start % P) // TW + ww)[None, :])
+                    words = tl.load(vw_h + page * s_vcp + (c2 * W + wr)[:, None] * (P // TW) + (vword + ww)[None, :])
                     gs = ((c2 * W) // G) * P  # the group's scale row (rows of P tokens: checked by the wrapper)
                     if HALF:  # pairs of two tokens' scales (int32 loads), folded: the fma operands of the unpack
                         s00, s01, s10, s11, s20, s21, s30, s31 = _pair_columns(s32 + gs // 2, BLOCK // TW, NV)
@@ -685,6 +690,20 @@ def _srcmin() -> dict:
     return dict(SRCMIN=v)
 
 
+def _vhint(d: int, step: int) -> dict:
+    """``VHINT`` of the split kernel: its paged loop declares each step's offset into the value-word rows a multiple
+    of the step's words (true: steps start at multiples of BLOCK). Triton 3.9 infers that and copies the value tiles
+    in 16-byte pieces; 3.6 (the GPU image) copied them 4 bytes at a time. With the hint 3.6's sm_90 build matches
+    3.9's (SASS per 64-token step 4/4 1472 -> 1461, 3.9: 1452; same cp.async widths), and 3.9 decoded 4-12% faster
+    than 3.6 on the H200 (eval/NOTES.md, session 27). Default ``KIVI_DECODE_VHINT=auto``: on for 64-token steps at
+    head_dim >= 128; off for 32-token steps (3.6 then spills: 903 -> 1553 instructions) and head_dim 64 (168 -> 187
+    registers: 12 -> 8 warps per SM; 3.9 has 187 too, not timed). ``1``/``0`` force it."""
+    v = os.environ.get("KIVI_DECODE_VHINT", "auto")
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"KIVI_DECODE_VHINT must be one of auto, 0, 1; got {v!r}")
+    return dict(VHINT=int(v == "1" or (v == "auto" and step >= 64 and d >= 128)))
+
+
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
     """Warps an SM holds by registers alone (sm_80/sm_90): each of its 4 sub-partitions has a quarter of the
     register file, allocated per warp in units of 256 registers; at most 64."""
@@ -787,7 +806,7 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
              "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
              "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
-             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK", "KIVI_UNPACK_SRCMIN")
+             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK", "KIVI_UNPACK_SRCMIN", "KIVI_DECODE_VHINT")
 _plan_env = env_reader(_PLAN_ENV)
 # at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
 # GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.4% faster (H200, eval/NOTES.md s14)
@@ -840,7 +859,7 @@ class _DecodePlan:
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
                     num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
-                    **_srcmin(), **({"SLIDING": 1} if sliding_window else {}))
+                    **_srcmin(), **_vhint(d, blk), **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]
         rch = window_chunk(bsz * hkv, cap, blk_r, q.device)

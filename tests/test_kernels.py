@@ -510,6 +510,22 @@ def test_decode_rejects_an_unknown_srcmin(monkeypatch):
         run_decode(args, "srcmin 5", _force_half_dot=True)
 
 
+def test_decode_value_hint_setting(monkeypatch):
+    """KIVI_DECODE_VHINT: auto (on at head_dim >= 128 with 64-token steps), 1, 0 give the reference's output (the
+    hint only declares an alignment; its effect on the copies is checked in test_sass.py); other values are refused."""
+    from kivi_cache.kernels import attention as A
+
+    assert A._vhint(128, 64) == {"VHINT": 1} and A._vhint(64, 64) == {"VHINT": 0} and A._vhint(128, 32) == {"VHINT": 0}
+    args = decode_case(2, 2, 2, 128, 64, 32, 4, 4, torch.float16, [96, 150], [5, 33])
+    for v in ("1", "0"):
+        monkeypatch.setenv("KIVI_DECODE_VHINT", v)
+        assert A._vhint(64, 32) == {"VHINT": int(v)}
+        run_decode(args, f"decode vhint {v}", _force_half_dot=True)
+    monkeypatch.setenv("KIVI_DECODE_VHINT", "yes")
+    with pytest.raises(ValueError, match="KIVI_DECODE_VHINT"):
+        run_decode(args, "vhint yes", _force_half_dot=True)
+
+
 @pytest.mark.parametrize("splits", [3, 6])
 def test_decode_half_dot_splits_past_the_end(splits):
     """64-token steps (unmasked loop + partial-step loop) with splits that start past a sequence's end."""
