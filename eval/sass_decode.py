@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kivi_cache.kernels import attention  # noqa: E402
+from kivi_cache.kernels import _util, attention  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32", "ks_ptr": "*fp16",
@@ -60,7 +60,7 @@ def compile_kernel(const, warps, stages, maxnreg):
     if const.get("BF16"):
         for n in ("q_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "rk_ptr", "rv_ptr", "nk_ptr", "nv_ptr", "out_ptr"):
             sig[n] = "*bf16"
-    opts = dict(num_warps=warps, num_stages=stages)
+    opts = dict(num_warps=warps, num_stages=stages, **_util.FP_FUSION)  # as the launch sets them
     if maxnreg:
         opts["maxnreg"] = maxnreg
     src = ASTSource(fn, sig, constexprs={k: v for k, v in const.items() if k in fn.arg_names}, attrs=attrs)

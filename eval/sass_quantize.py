@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kivi_cache.kernels import quantize  # noqa: E402
+from kivi_cache.kernels import _util, quantize  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_decode import disassemble  # noqa: E402
@@ -47,7 +47,8 @@ def summary(argv):
         else:
             sig[n] = "i32"
     src = ASTSource(fn, sig, constexprs={k: v for k, v in const.items() if k in fn.arg_names}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    opts = dict(num_warps=4, **_util.FP_FUSION)  # as the launch sets them
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     res, sass = disassemble(k)
     ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
     return {"registers": int(re.search(r"REG:(\d+)", res).group(1)),

@@ -630,7 +630,8 @@ def _reduce_launch(rows: int, nsp1: int, d: int, sink: bool = False):
     512 rows on (1024 rows x 13 splits: 6.8 us split, 5.6 whole; eval/results/reduce_probe.json)."""
     db = min(d, 32) if rows < 512 else d
     bs = max(1, min(triton.next_power_of_2(nsp1), 4096 // db))
-    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4, **({"SINK": 1} if sink else {}))
+    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4, **_util.FP_FUSION,
+                **({"SINK": 1} if sink else {}))
     return (rows, d // db), meta
 
 
@@ -858,7 +859,8 @@ class _DecodePlan:
                     KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
-                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
+                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_util.FP_FUSION, **_stages(interp),
+                    **_maxnreg(interp, blk),
                     **_srcmin(), **_vhint(d, blk), **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]

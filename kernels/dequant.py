@@ -143,6 +143,6 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         P=p, G=group_size, D=d, BLOCK=blk, KBITS=key_bits, VBITS=value_bits,
-        num_warps=4,
+        num_warps=4, **_util.FP_FUSION,
     )
     return k_out, v_out

@@ -963,3 +963,45 @@ def test_sink_logits_argument_is_checked(bad):
     for fn in (K.paged_decode_attention, R.paged_decode_attention):
         with pytest.raises(ValueError, match="sink_logits"):
             fn(*args, sink_logits=sinks)
+
+
+# ----------------------------------------------------------------------------- launch options
+
+class _LaunchSpy:
+    """A kernel whose launches record their ``enable_fp_fusion`` option, then run the real kernel."""
+
+    def __init__(self, fn, seen: list, name: str):
+        self.fn, self.seen, self.name = fn, seen, name
+
+    @property
+    def params(self):
+        return self.fn.params
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def call(*args, **kwargs):
+            self.seen.append((self.name, kwargs.get("enable_fp_fusion")))
+            return launch(*args, **kwargs)
+
+        return call
+
+
+def test_every_kernel_states_fp_fusion(monkeypatch):
+    """Each kernel is launched with ``enable_fp_fusion=True`` (kernels._util.FP_FUSION): the setting the kernels were
+    tuned with, which Triton 3.9 warns about when left to its default and turns off by default from 3.10."""
+    from kivi_cache.kernels import attention as A
+    from kivi_cache.kernels import dequant as Dq
+    from kivi_cache.kernels import quantize as Q
+
+    seen: list = []
+    for mod, name in ((A, "_SPLIT"), (A, "_REDUCE"), (Q, "_QUANT"), (Q, "_APPEND")):
+        launcher = getattr(mod, name)
+        monkeypatch.setattr(launcher, "fn", _LaunchSpy(launcher.fn, seen, name))
+    monkeypatch.setattr(Dq, "_dequant_kernel", _LaunchSpy(Dq._dequant_kernel, seen, "_dequant_kernel"))
+    test_quantize_and_write(4, 4, torch.float32)
+    test_append_and_flush(4, 4, torch.float16, 40)
+    test_dequantize_pages(4, 4)
+    run_decode(decode_case(2, 2, 2, 64, 64, 32, 4, 4, torch.float16, [96, 160], [5, 17]), "fp fusion", merge=False)
+    assert {n for n, _ in seen} == {"_SPLIT", "_REDUCE", "_QUANT", "_APPEND", "_dequant_kernel"}, seen
+    assert all(v is True for _, v in seen), seen
