@@ -93,6 +93,13 @@ def num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+# Launch option of every kernel here (Launcher adds it; a direct launch passes it): floating-point fusion (a * b + c
+# as one fma) stated rather than left to Triton's default. The kernels were tuned and timed with it (Triton 3.6's
+# default); 3.9 keeps it on but warns at the first compile unless TRITON_DEFAULT_FP_FUSION is set, and announces the
+# default off from 3.10 (more instructions in the softmax and merges, other rounding). TRITON_FORCE_DISABLE_FP_FUSION=1
+# still turns it off.
+FP_FUSION = {"enable_fp_fusion": True}
+
 # ----------------------------------------------------------------------------- cached launches
 # A @triton.jit launch spends tens of microseconds in Python (binding and specializing every argument, the
 # cache key) before the driver call; an eager decode step makes two per layer. ``Launcher`` keeps the compiled
@@ -103,11 +110,6 @@ def num_sms(device: torch.device) -> int:
 # driver about the pointer, once per tensor and launch). On by default since session 12 (H200: the decode op's host
 # time per call 202 -> 107 us, bit-equal outputs, eval/results/op_host_fast*_s12.json, gpu_tests_launch_s12.log);
 # ``KIVI_FAST_LAUNCH=0`` turns it off. Never under the interpreter or while a launch hook (a profiler) is set.
-# Launch option of every kernel here: floating-point fusion (a * b + c as one fma) stated rather than left to Triton's
-# default. The kernels were tuned and timed with it (Triton 3.6's default); 3.9 keeps it on but warns at the first
-# compile unless TRITON_DEFAULT_FP_FUSION is set, and announces the default off from 3.10 (more instructions in the
-# softmax and merges, other rounding). TRITON_FORCE_DISABLE_FP_FUSION=1 still turns it off.
-FP_FUSION = {"enable_fp_fusion": True}
 FAST_LAUNCH = os.environ.get("KIVI_FAST_LAUNCH", "1") != "0"
 _knobs = None
 
@@ -137,7 +139,7 @@ class Launcher:
                            kernel.function, kernel.packed_metadata, None, None, None, *call, *consts)
                 self.fast_launches += 1
                 return kernel
-        kernel = self.fn[grid](*args, **meta)
+        kernel = self.fn[grid](*args, **meta, **FP_FUSION)
         if fast and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
             if entry is None:
                 if len(self.kernels) > 4096:  # plan keys seen by a long-lived process: keep the cache bounded

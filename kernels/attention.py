@@ -417,11 +417,10 @@ def _decode_split_kernel(
                 # c2 = W channels of one value group; plane k of a word holds tokens TW w + 4k + j, one MMA each
                 s32 = vs_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp + start % P) // 2
                 z32 = vz_h.to(tl.pointer_type(tl.int32), bitcast=True) + (page * s_vsp + start % P) // 2
+                vword = (start % P) // TW
                 if VHINT:  # steps start at multiples of BLOCK (t0 is page-aligned or, sliding, step-aligned;
                     # P % BLOCK == 0): said so, Triton 3.6 copies value words 16 bytes at a time, not 4 (_vhint)
-                    vword = tl.multiple_of((start % P) // TW, BLOCK // TW)
-                else:
-                    vword = (start % P) // TW
+                    vword = tl.multiple_of(vword, BLOCK // TW)
                 for c2 in tl.static_range(NW):
                     words = tl.load(vw_h + page * s_vcp + (c2 * W + wr)[:, None] * (P // TW) + (vword + ww)[None, :])
                     gs = ((c2 * W) // G) * P  # the group's scale row (rows of P tokens: checked by the wrapper)
@@ -630,8 +629,7 @@ def _reduce_launch(rows: int, nsp1: int, d: int, sink: bool = False):
     512 rows on (1024 rows x 13 splits: 6.8 us split, 5.6 whole; eval/results/reduce_probe.json)."""
     db = min(d, 32) if rows < 512 else d
     bs = max(1, min(triton.next_power_of_2(nsp1), 4096 // db))
-    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4, **_util.FP_FUSION,
-                **({"SINK": 1} if sink else {}))
+    meta = dict(D=d, DB=db, BS=bs, BM=triton.next_power_of_2(nsp1), num_warps=4, **({"SINK": 1} if sink else {}))
     return (rows, d // db), meta
 
 
@@ -859,8 +857,7 @@ class _DecodePlan:
                     KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
-                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_util.FP_FUSION, **_stages(interp),
-                    **_maxnreg(interp, blk),
+                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
                     **_srcmin(), **_vhint(d, blk), **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]

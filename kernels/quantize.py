@@ -142,7 +142,7 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     split = int(env[0] or 1)
     meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
                 BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
-                RECIP=k.device.type == "cuda", SPLIT=split, num_warps=int(env[1] or 4), **_util.FP_FUSION)
+                RECIP=k.device.type == "cuda", SPLIT=split, num_warps=int(env[1] or 4))
     # everything that fixes the compiled kernel besides the pointers' alignment (kernels._util.Launcher): the
     # decode step's flushes then launch it directly
     key = (k.shape[1:], k.stride(), v.stride(), k.dtype, v.dtype, k.device, pages.dtype, slots.dtype, k_codes.shape,
@@ -261,7 +261,7 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
             raise ValueError("window, pool and block-table tensors must have a contiguous last dimension")
     meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
                 BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
-                RECIP=res_k.device.type == "cuda", num_warps=4, **_util.FP_FUSION)
+                RECIP=res_k.device.type == "cuda", num_warps=4)
     key = (new_k.shape, new_k.stride(), new_v.stride(), new_k.dtype, res_k.shape, res_k.stride(), res_v.stride(),
            res_k.dtype, res_lengths.dtype, sink_lengths.dtype, lengths.dtype, block_table.shape, block_table.stride(),
            block_table.dtype, k_codes.shape, k_codes.stride(), k_scale.stride(), k_scale.dtype, k_zero.stride(),

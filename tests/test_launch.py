@@ -193,7 +193,7 @@ def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypa
     n = _runtime_params(Q._quantize_write_kernel)
     assert len(args) == n and grid == (3, 2, 2)
     names = list(inspect.signature(Q._quantize_write_kernel.fn).parameters)
-    assert set(names[n:]) == set(meta) - {"num_warps", "enable_fp_fusion"}
+    assert set(names[n:]) == set(meta) - {"num_warps"}
     strided = g[:, :, :, :]  # another call with the same shapes and strides has the same key; other strides another
     Q.quantize_and_write(strided, g, pages, pages * 0, *pool, 4, 4, 32)
     assert seen["q"][0] == key
