@@ -11,3 +11,11 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     export PYTHONPATH=$PWD:/tmp/site
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader
+
+# carried_triton: unpack the Triton that .t39/triton39.tar.xz carries (eval/pack_triton.sh) and put it first on the path,
+# with its backends read from its own folder (not from the image's 3.6 entry points)
+carried_triton() {
+    mkdir -p /tmp/t39 && tar -xJf .t39/triton39.tar.xz -C /tmp/t39 || return 1
+    export PYTHONPATH=/tmp/t39:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1
+    python3 -c "import triton; print('carried triton', triton.__version__, triton.__file__)"
+}

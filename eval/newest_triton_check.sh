@@ -7,10 +7,7 @@
 # (the same under the carried one), gpu_tests_triton39_kernels.log, gpu_tests_triton39_gpu.log.
 . eval/device_env.sh
 ab="eval/ab_decode.py --graph --rounds 2 --shapes 32x8x32768,1x8x131072 --bits 4/4/32,2/2/32"
-mkdir -p /tmp/t39 && tar -xJf .t39/triton39.tar.xz -C /tmp/t39 || exit 1
-# the carried package first on the path; backends from its own folder (not from the image's 3.6 entry points)
-export PYTHONPATH=/tmp/t39:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1
-python3 -c "import triton; print('carried triton', triton.__version__, triton.__file__)" || exit 1
+carried_triton || exit 1
 timeout 110 python3 $ab --out "$OUT/ab_triton39.json" > "$OUT/ab_triton39.log" 2>&1; echo "ab 3.9 rc $?"
 KIVI_TEST_GPU=1 timeout 300 python3 -m pytest -q tests/test_kernels.py tests/test_unpack_ptx.py \
     > "$OUT/gpu_tests_triton39_kernels.log" 2>&1; echo "kernel tests rc $?"
