@@ -36,6 +36,8 @@ ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time, no launch overhead)")
 ap.add_argument("--cold", action="store_true", help="CUDA-graph replays with L2 flushed before every call "
                 "(bench_kernels.cold_graph_bench: pages and window cold, as inside a model)")
+ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every shape (64, 128, 256)")
+ap.add_argument("--q-heads", type=int, default=32, help="query heads (a multiple of every shape's KV heads)")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 
@@ -66,7 +68,7 @@ for spec_ in args.env:
     n, kv = spec_.split(":", 1)
     impls.append((n, cur, dict(x.split("=", 1) for x in kv.split(","))))
 
-dev, hq, d, page, res = "cuda", 32, 128, 64, 128
+dev, hq, d, page, res = "cuda", args.q_heads, args.head_dim, 64, 128
 rows = []
 
 
@@ -107,7 +109,7 @@ for shape in args.shapes.split(","):
             for n, mod, env in impls:
                 try:
                     with mock.patch.dict(os.environ, env):
-                        a = decode_args(pool, q[:, :, 0], rk, rv, rl, kb, vb, g, 0.088)
+                        a = decode_args(pool, q[:, :, 0], rk, rv, rl, kb, vb, g, d ** -0.5)
                         f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
                         outs[n] = f().float()
                         times[n].append(bench(f))
@@ -119,11 +121,12 @@ for shape in args.shapes.split(","):
                 continue
             t = statistics.median(times[n])
             err = float((outs[n] - ref).abs().max() / ref.abs().max()) if ref is not None else float("nan")
-            r = dict(impl=n, env=env, batch=b, kv_heads=hkv, context=ctx, key_bits=kb, value_bits=vb, group=g,
+            r = dict(impl=n, env=env, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, context=ctx, key_bits=kb,
+                     value_bits=vb, group=g,
                      ms=t, ms_rounds=times[n], sdpa_ms=t_sdpa, tbps=nbytes / t / 1e9, speedup=t_sdpa / t,
                      rel_err_vs_cur=err, bytes=nbytes)
             rows.append(r)
-            print(f"{shape:>12} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
+            print(f"{shape:>12} d{d} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
                   f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}", flush=True)
         del pool
         save()
