@@ -694,9 +694,10 @@ def _vhint(d: int, step: int) -> dict:
     of the step's words (true: steps start at multiples of BLOCK). Triton 3.9 infers that and copies the value tiles
     in 16-byte pieces; 3.6 (the GPU image) copied them 4 bytes at a time. With the hint 3.6's sm_90 build matches
     3.9's (SASS per 64-token step 4/4 1472 -> 1461, 3.9: 1452; same cp.async widths), and 3.9 decoded 4-12% faster
-    than 3.6 on the H200 (eval/NOTES.md, session 27). Default ``KIVI_DECODE_VHINT=auto``: on for 64-token steps at
-    head_dim >= 128; off for 32-token steps (3.6 then spills: 903 -> 1553 instructions) and head_dim 64 (168 -> 187
-    registers: 12 -> 8 warps per SM; 3.9 has 187 too, not timed). ``1``/``0`` force it."""
+    than 3.6 on the H200 (eval/NOTES.md, session 27); with the hint 3.6 decodes 2-9% faster (int4, head_dim 128,
+    bit-equal outputs; session 28, ``eval/results/ab_vhint_s28.json``). Default ``KIVI_DECODE_VHINT=auto``: on for
+    64-token steps at head_dim >= 128; off for 32-token steps (3.6 then spills: 903 -> 1553 instructions) and
+    head_dim 64 (168 -> 187 registers: 12 -> 8 warps per SM; 3.9 has 187 too, not timed). ``1``/``0`` force it."""
     v = os.environ.get("KIVI_DECODE_VHINT", "auto")
     if v not in ("auto", "0", "1"):
         raise ValueError(f"KIVI_DECODE_VHINT must be one of auto, 0, 1; got {v!r}")
