@@ -1,0 +1,268 @@
+"""Gluon spike: the paged int4 decode loop with the packed codes loaded from global memory straight into
+registers in the mma_v2 B-operand layout (no shared memory, no cp.async).
+
+Fixed configuration: 4/4 bits, group 32, head_dim 128, page 64, 64-token steps, GQA 4 query rows (padded to
+16: the MMA's M), one warp per program. Layout of the stores as in kivi_cache (kernels/attention.py):
+  keys   kw int32 [pages, Hkv, P, 16]  (token row of 64 bytes; byte j: channel j (low nibble), j + 64 (high))
+         ks/kz fp16 [pages, Hkv, P/G, D] (per channel, per 32-token group)
+  values vw int32 [pages, Hkv, D, P/8] (channel rows packed along tokens: word w, byte q + 2h, nibble k holds
+         token 8w + 4k + 2q + h, kivi_cache.quant.pack_tokens)
+         vs/vz fp16 [pages, Hkv, D/G, P] (per token, per 32-channel group)
+
+The MMAs are FA2-style (not transposed): S = Q K^T (A = q [16, 128], B = K^T [128, 64]) and O += P V (A = P
+[16, 64], taken from S's accumulator registers with no data movement, B = V [64, 128]).
+
+Each lane's B-operand slots are assigned to codes so that every lane loads exactly the words whose codes
+it needs, and each word unpacks with its ODD pairs (bytes q, q + 2 in the two halves of one register):
+* K^T: k-slot k = e + 2c + 8h + 16wt + 64p (c = lane % 4; e, h, wt, p register bits) holds channel
+  64p + 4(4c + wt) + h + 2e (word 4c + wt of the token row: lane c loads words 4c..4c+3, one 16-byte load);
+  q's columns are permuted the same way (once, before the loop).
+* V: k-slot k = e + 2c + 8h + 16p + 32u holds token 8(2c + u) + 4p + 2h + e (word 2c + u of a channel row:
+  one 8-byte load of words 2c, 2c + 1). S's column n is token pi(n) with the same formula (n = k), so P's
+  A-operand registers (= S's accumulator registers) already hold the right tokens; the key rows are loaded in
+  that token order (column n = 8j + 4g + nl of K^T: lane nl + 4g of its quad row; g = bit 2 of n = the key
+  group of token pi(n), so every lane needs the key scales of one group only).
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+QA = gl.constexpr(gl.DotOperandLayout(0, MMA, 2))
+OPB = gl.constexpr(gl.DotOperandLayout(1, MMA, 2))
+# key words of one plane-pair: [J = 8 (n8,n16,n32), G = 2 (n4), NL = 4 (n1,n2), W = 16 words]
+LK = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))
+# value words of one 32-channel group: [JL = 4 (n8,n16), R = 8 (n1,n2,n4), C = 4, U = 2]: word 2c + u
+LV = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
+LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # q load (outside the loop)
+
+
+@gluon.constexpr_function
+def _slice_to(layout, d, rank):
+    for i in reversed(range(rank)):
+        if i != d:
+            layout = gl.SliceLayout(i, layout)
+    return layout
+
+
+@gluon.jit
+def _idx(n: gl.constexpr, d: gl.constexpr, L: gl.constexpr, R: gl.constexpr):
+    """arange(0, n) along dim d of a rank-R tensor of layout L (size 1 in the other dims)."""
+    x = gl.arange(0, n, layout=_slice_to(L, d, R))
+    for i in gl.static_range(R):
+        if i != d:
+            x = gl.expand_dims(x, i)
+    return x
+
+
+# one word -> 8 fp16 (4 ODD pairs), dequantized: pair (q, k) = bytes (q, q + 2), nibble k, its code moved to
+# mantissa bits 6..9 of 16.0 (v = 16 + c exactly) and v * s + (z - 16 s) (zero points folded outside).
+# outputs: q0k0 lo/hi, q1k0 lo/hi, q0k1 lo/hi, q1k1 lo/hi (each pair: low half = byte q, high half = byte q + 2)
+_UNPACK = gl.constexpr("""{
+.reg .b32 t<4>, v<4>, r<4>;
+shl.b32 t0, $8, 6;
+shr.u32 t1, $8, 2;
+shl.b32 t2, $8, 2;
+shr.u32 t3, $8, 6;
+lop3.b32 v0, t0, 0x03C003C0, 0x4C004C00, 0xEA;
+lop3.b32 v1, t1, 0x03C003C0, 0x4C004C00, 0xEA;
+lop3.b32 v2, t2, 0x03C003C0, 0x4C004C00, 0xEA;
+lop3.b32 v3, t3, 0x03C003C0, 0x4C004C00, 0xEA;
+fma.rn.f16x2 r0, v0, $9, $10;
+fma.rn.f16x2 r1, v1, $11, $12;
+fma.rn.f16x2 r2, v2, $13, $14;
+fma.rn.f16x2 r3, v3, $15, $16;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}""")
+_UNPACK_CON = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r")
+
+# key scales: natural pairs a = (4w, 4w+1), b = (4w+2, 4w+3) of s and z -> ODD pairs x = 0: (4w, 4w+2),
+# x = 1: (4w+1, 4w+3), zero points folded: z - 16 s. outputs s0, z0, s1, z1
+_KSC = gl.constexpr("""{
+.reg .b32 z0, z1, m;
+mov.b32 m, 0xCC00CC00;
+prmt.b32 $0, $4, $5, 0x5410;
+prmt.b32 $2, $4, $5, 0x7632;
+prmt.b32 z0, $6, $7, 0x5410;
+prmt.b32 z1, $6, $7, 0x7632;
+fma.rn.f16x2 $1, $0, m, z0;
+fma.rn.f16x2 $3, $2, m, z1;
+}""")
+# value scales: one natural pair (two consecutive tokens) of s and z -> (s, z - 16 s)
+_VSC = gl.constexpr("{.reg .b32 m; mov.b32 m, 0xCC00CC00; fma.rn.f16x2 $0, $1, m, $2;}")
+
+
+@gluon.jit
+def _unpack(w, s00, z00, s10, z10, s01, z01, s11, z11):
+    """word tile -> 8 fp16 tiles: (q0k0 lo, hi, q1k0 lo, hi, q0k1 lo, hi, q1k1 lo, hi); (sqk, zqk) the folded
+    scale pairs of pair q, nibble k (broadcast to w)."""
+    return gl.inline_asm_elementwise(_UNPACK, _UNPACK_CON, [w, s00, z00, s10, z10, s01, z01, s11, z11],
+                                     dtype=(gl.float16, ) * 8, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _j3(a0, a1, b0, b1, c0, c1, d0, d1):
+    """(x[e=0], x[e=1]) for (h, p) = (0,0), (1,0), (0,1), (1,1) -> x[..., e, h, p]"""
+    e00 = gl.join(a0, a1)
+    e10 = gl.join(b0, b1)
+    e01 = gl.join(c0, c1)
+    e11 = gl.join(d0, d1)
+    return gl.join(gl.join(e00, e10), gl.join(e01, e11))
+
+
+@gluon.jit
+def _key_tile(kw, s00, z00, s10, z10, s01, z01, s11, z11):
+    """key words [8, 2, 4, 16] (LK) -> K^T [128, 64] fp16 in the B-operand layout."""
+    a0, a1, b0, b1, c0, c1, d0, d1 = _unpack(kw, s00, z00, s10, z10, s01, z01, s11, z11)
+    x = _j3(a0, a1, b0, b1, c0, c1, d0, d1)  # [j, g, nl, w, e, h, p]
+    x = gl.reshape(x, [8, 2, 4, 4, 4, 2, 2, 2])  # [j, g, nl, c, wt, e, h, p]
+    x = gl.permute(x, [7, 4, 6, 3, 5, 0, 1, 2])  # [p, wt, h, c, e, j, g, nl]
+    x = gl.reshape(x, [128, 64])
+    return gl.convert_layout(x, OPB, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _value_tile(vw, s00, z00, s10, z10, s01, z01, s11, z11):
+    """value words of one 32-channel group [4, 8, 4, 2] (LV) -> V [64 token slots, 32 channels] fp16, B operand."""
+    a0, a1, b0, b1, c0, c1, d0, d1 = _unpack(vw, s00, z00, s10, z10, s01, z01, s11, z11)
+    x = _j3(a0, a1, b0, b1, c0, c1, d0, d1)  # [jl, r, c, u, e, h, p]
+    x = gl.permute(x, [3, 6, 5, 2, 4, 0, 1])  # [u, p, h, c, e, jl, r]
+    x = gl.reshape(x, [64, 32])
+    return gl.convert_layout(x, OPB, assert_trivial=TRIVIAL)
+
+
+TRIVIAL = gl.constexpr(True)
+
+
+@gluon.jit
+def _value_group(gi: gl.constexpr, acc, pa, vw_pg, vs_pg, vz_pg):
+    """acc [16, 32] += P V_g for value group gi (channels 32 gi ..), codes and scales at the page's row
+    pointers: vw_pg int32 words (channel rows of 8 words: the step is one page), vs_pg/vz_pg int32 pairs."""
+    jl = _idx(4, 0, LV, 4)
+    r = _idx(8, 1, LV, 4)
+    c = _idx(4, 2, LV, 4)
+    u = _idx(2, 3, LV, 4)
+    ch = gi * 32 + jl * 8 + r
+    w = gl.load(vw_pg + ch * 8 + (c * 2 + u))
+    # scales of value group gi: token pairs; word 2c + u, pair (q, k): tokens 8w + 4k + 2q + {0, 1}: pair index
+    # 4w + 2k + q of the group's row of 32 pairs
+    pr = gi * 32 + (c * 2 + u) * 4  # [1, 1, 4, 2]
+    s00 = gl.load(vs_pg + pr)
+    s10 = gl.load(vs_pg + pr + 1)
+    s01 = gl.load(vs_pg + pr + 2)
+    s11 = gl.load(vs_pg + pr + 3)
+    z00 = gl.load(vz_pg + pr)
+    z10 = gl.load(vz_pg + pr + 1)
+    z01 = gl.load(vz_pg + pr + 2)
+    z11 = gl.load(vz_pg + pr + 3)
+    z00 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s00, z00], dtype=gl.int32, is_pure=True, pack=1)
+    z10 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s10, z10], dtype=gl.int32, is_pure=True, pack=1)
+    z01 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s01, z01], dtype=gl.int32, is_pure=True, pack=1)
+    z11 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s11, z11], dtype=gl.int32, is_pure=True, pack=1)
+    v = _value_tile(w, s00, z00, s10, z10, s01, z01, s11, z11)
+    return gl.nvidia.ampere.mma_v2(pa, v, acc)
+
+
+@gluon.jit
+def _key_scales(ks_pg, kz_pg, wq, p: gl.constexpr):
+    """folded ODD scale pairs of key plane p: (s00, z00, s10, z10) of x = 0, 1 as [1, 2, 1, 16] int32 (LK)."""
+    sa = gl.load(ks_pg + p * 32 + wq)
+    sb = gl.load(ks_pg + p * 32 + wq + 1)
+    za = gl.load(kz_pg + p * 32 + wq)
+    zb = gl.load(kz_pg + p * 32 + wq + 1)
+    return gl.inline_asm_elementwise(_KSC, "=r,=r,=r,=r,r,r,r,r", [sa, sb, za, zb], dtype=(gl.int32, ) * 4,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
+                        m_ws, l_ws, o_ws, qk_scale, Hkv, NS, s_qb, s_qh, s_btb, s_kcp, s_kch, s_ksp, s_ksh,
+                        s_vcp, s_vch, s_vsp, s_vsh, GROUP: gl.constexpr, VALUES: gl.constexpr):
+    """grid (B * Hkv, NS): partial (m, l, o) of split s over the paged tokens (whole 64-token steps only: the
+    partial last step and the residual window are not in the spike)."""
+    P: gl.constexpr = 64
+    D: gl.constexpr = 128
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid // Hkv
+    h = pid % Hkv
+    # q rows of the KV head, columns in the K^T slot order: slot k -> channel 64p + 16c + 4wt + h + 2e
+    qr = gl.arange(0, 16, layout=gl.SliceLayout(1, LQ))
+    k = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+    ch = (k // 64) * 64 + ((k // 2) % 4) * 16 + ((k // 16) % 4) * 4 + (k // 8) % 2 + 2 * (k % 2)
+    qv = gl.load(q_ptr + b * s_qb + (h * GROUP + qr)[:, None] * s_qh + ch[None, :], mask=(qr < GROUP)[:, None],
+                 other=0.0)
+    qa = gl.convert_layout(qv.to(gl.float16), QA)
+
+    length = gl.load(len_ptr + b)
+    npg = gl.cdiv(length, P)
+    pps = gl.cdiv(npg, NS)
+    t0 = split * pps * P
+    t1 = gl.minimum(t0 + pps * P, length)
+    t_full = t0 + gl.maximum(t1 - t0, 0) // P * P
+
+    # key row offsets (loop-invariant): column n = 8j + 4g + nl holds token pi(n) = 8(2c + u) + 4p + 2h + e
+    j = _idx(8, 0, LK, 4)
+    g = _idx(2, 1, LK, 4)
+    nl = _idx(4, 2, LK, 4)
+    wk = _idx(16, 3, LK, 4)
+    n = j * 8 + g * 4 + nl
+    tok = 8 * (2 * ((n // 2) % 4) + n // 32) + 4 * ((n // 16) % 2) + 2 * ((n // 8) % 2) + n % 2
+    koff = tok * 16 + wk  # [8, 2, 4, 16]
+    # key scale pairs: group g, plane p, word w: natural pairs 2w, 2w + 1 of the plane's 64 channels
+    wq = g * (D // 2) + wk * 2  # [1, 2, 1, 16] in int32 pairs (scales [P/G, D] per page: group row of D)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    a0 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    a1 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    a2 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    a3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    kw_h = kw_ptr + h * s_kch
+    ks_h = (ks_ptr + h * s_ksh).to(gl.pointer_type(gl.int32), bitcast=True)
+    kz_h = (kz_ptr + h * s_ksh).to(gl.pointer_type(gl.int32), bitcast=True)
+    vw_h = vw_ptr + h * s_vch
+    vs_h = (vs_ptr + h * s_vsh).to(gl.pointer_type(gl.int32), bitcast=True)
+    vz_h = (vz_ptr + h * s_vsh).to(gl.pointer_type(gl.int32), bitcast=True)
+    for start in range(t0, t_full, P):
+        page = gl.load(bt_ptr + b * s_btb + start // P).to(gl.int64)
+        kw = gl.load(kw_h + page * s_kcp + koff)
+        ks_pg = ks_h + page * (s_ksp // 2)
+        kz_pg = kz_h + page * (s_ksp // 2)
+        s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, 0)
+        s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, 1)
+        kt = _key_tile(kw, s00, z00, s10, z10, s01, z01, s11, z11)
+        s = gl.nvidia.ampere.mma_v2(qa, kt, gl.zeros([16, 64], gl.float32, layout=MMA))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        if VALUES:
+            pa = gl.convert_layout(p.to(gl.float16), QA, assert_trivial=TRIVIAL)
+            vw_pg = vw_h + page * s_vcp
+            vs_pg = vs_h + page * (s_vsp // 2)
+            vz_pg = vz_h + page * (s_vsp // 2)
+            a0 = _value_group(0, a0 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
+            a1 = _value_group(1, a1 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
+            a2 = _value_group(2, a2 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
+            a3 = _value_group(3, a3 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
+        else:  # keys only: keep p alive
+            a0 = a0 * alpha[:, None] + gl.sum(p, axis=1)[:, None]
+
+    # partials of the GROUP real rows: m, l [B * Hq, NS], o [B * Hq, NS, D]
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    hq = (b * Hkv + h) * GROUP + rows
+    rmask = rows < GROUP
+    gl.store(m_ws + hq * NS + split, m_i, mask=rmask)
+    gl.store(l_ws + hq * NS + split, l_i, mask=rmask)
+    cols = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
+    ob = o_ws + (hq * NS + split)[:, None] * D + cols[None, :]
+    gl.store(ob, a0, mask=rmask[:, None])
+    gl.store(ob + 32, a1, mask=rmask[:, None])
+    gl.store(ob + 64, a2, mask=rmask[:, None])
+    gl.store(ob + 96, a3, mask=rmask[:, None])
