@@ -35,6 +35,9 @@ OPB = gl.constexpr(gl.DotOperandLayout(1, MMA, 2))
 LK = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))
 # value words of one 32-channel group: [JL = 4 (n8,n16), R = 8 (n1,n2,n4), C = 4, U = 2]: word 2c + u
 LV = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
+LV8 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))  # value scale runs
+LK32 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))  # key scale runs
+VEC = gl.constexpr(True)  # vectorized scale loads
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # q load (outside the loop)
 
 
@@ -150,15 +153,22 @@ def _value_group(gi: gl.constexpr, acc, pa, vw_pg, vs_pg, vz_pg):
     w = gl.load(vw_pg + ch * 8 + (c * 2 + u))
     # scales of value group gi: token pairs; word 2c + u, pair (q, k): tokens 8w + 4k + 2q + {0, 1}: pair index
     # 4w + 2k + q of the group's row of 32 pairs
-    pr = gi * 32 + (c * 2 + u) * 4  # [1, 1, 4, 2]
-    s00 = gl.load(vs_pg + pr)
-    s10 = gl.load(vs_pg + pr + 1)
-    s01 = gl.load(vs_pg + pr + 2)
-    s11 = gl.load(vs_pg + pr + 3)
-    z00 = gl.load(vz_pg + pr)
-    z10 = gl.load(vz_pg + pr + 1)
-    z01 = gl.load(vz_pg + pr + 2)
-    z11 = gl.load(vz_pg + pr + 3)
+    if VEC:  # 8 consecutive pairs per lane (words 2c, 2c + 1): one 32-byte run, split in registers
+        c8 = _idx(4, 2, LV8, 4)
+        i8 = _idx(8, 3, LV8, 4)
+        pr8 = gi * 32 + c8 * 8 + i8  # [1, 1, 4, 8]: pair 4(2c + u) + 2k + q
+        s00, s10, s01, s11 = _split4(gl.load(vs_pg + pr8))
+        z00, z10, z01, z11 = _split4(gl.load(vz_pg + pr8))
+    else:
+        pr = gi * 32 + (c * 2 + u) * 4  # [1, 1, 4, 2]
+        s00 = gl.load(vs_pg + pr)
+        s10 = gl.load(vs_pg + pr + 1)
+        s01 = gl.load(vs_pg + pr + 2)
+        s11 = gl.load(vs_pg + pr + 3)
+        z00 = gl.load(vz_pg + pr)
+        z10 = gl.load(vz_pg + pr + 1)
+        z01 = gl.load(vz_pg + pr + 2)
+        z11 = gl.load(vz_pg + pr + 3)
     z00 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s00, z00], dtype=gl.int32, is_pure=True, pack=1)
     z10 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s10, z10], dtype=gl.int32, is_pure=True, pack=1)
     z01 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s01, z01], dtype=gl.int32, is_pure=True, pack=1)
@@ -168,12 +178,33 @@ def _value_group(gi: gl.constexpr, acc, pa, vw_pg, vs_pg, vz_pg):
 
 
 @gluon.jit
-def _key_scales(ks_pg, kz_pg, wq, p: gl.constexpr):
+def _split4(x):
+    """[1, 1, 4, 8] pairs (u, k, q) -> (q0k0, q1k0, q0k1, q1k1) as [1, 1, 4, 2] (LV)"""
+    x = gl.reshape(x, [1, 1, 4, 2, 2, 2])
+    k0q0, k0q1 = gl.split(gl.split(x)[0])
+    k1q0, k1q1 = gl.split(gl.split(x)[1])
+    return (gl.convert_layout(k0q0, LV, assert_trivial=TRIVIAL), gl.convert_layout(k0q1, LV, assert_trivial=TRIVIAL),
+            gl.convert_layout(k1q0, LV, assert_trivial=TRIVIAL), gl.convert_layout(k1q1, LV, assert_trivial=TRIVIAL))
+
+
+@gluon.jit
+def _split2(x):
+    """[1, 2, 1, 32] natural pairs -> (a, b) = pairs 2w, 2w + 1 as [1, 2, 1, 16] (LK)"""
+    a, b = gl.split(gl.reshape(x, [1, 2, 1, 16, 2]))
+    return gl.convert_layout(a, LK, assert_trivial=TRIVIAL), gl.convert_layout(b, LK, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _key_scales(ks_pg, kz_pg, wq, wq32, p: gl.constexpr):
     """folded ODD scale pairs of key plane p: (s00, z00, s10, z10) of x = 0, 1 as [1, 2, 1, 16] int32 (LK)."""
-    sa = gl.load(ks_pg + p * 32 + wq)
-    sb = gl.load(ks_pg + p * 32 + wq + 1)
-    za = gl.load(kz_pg + p * 32 + wq)
-    zb = gl.load(kz_pg + p * 32 + wq + 1)
+    if VEC:  # the lane's 8 pairs (4 words) in one 32-byte run
+        sa, sb = _split2(gl.load(ks_pg + p * 32 + wq32))
+        za, zb = _split2(gl.load(kz_pg + p * 32 + wq32))
+    else:
+        sa = gl.load(ks_pg + p * 32 + wq)
+        sb = gl.load(ks_pg + p * 32 + wq + 1)
+        za = gl.load(kz_pg + p * 32 + wq)
+        zb = gl.load(kz_pg + p * 32 + wq + 1)
     return gl.inline_asm_elementwise(_KSC, "=r,=r,=r,=r,r,r,r,r", [sa, sb, za, zb], dtype=(gl.int32, ) * 4,
                                      is_pure=True, pack=1)
 
@@ -215,6 +246,7 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
     koff = tok * 16 + wk  # [8, 2, 4, 16]
     # key scale pairs: group g, plane p, word w: natural pairs 2w, 2w + 1 of the plane's 64 channels
     wq = g * (D // 2) + wk * 2  # [1, 2, 1, 16] in int32 pairs (scales [P/G, D] per page: group row of D)
+    wq32 = _idx(2, 1, LK32, 4) * (D // 2) + _idx(32, 3, LK32, 4)  # [1, 2, 1, 32]: the same pairs, a and b
 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
@@ -233,8 +265,8 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
         kw = gl.load(kw_h + page * s_kcp + koff)
         ks_pg = ks_h + page * (s_ksp // 2)
         kz_pg = kz_h + page * (s_ksp // 2)
-        s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, 0)
-        s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, 1)
+        s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
+        s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, wq32, 1)
         kt = _key_tile(kw, s00, z00, s10, z10, s01, z01, s11, z11)
         s = gl.nvidia.ampere.mma_v2(qa, kt, gl.zeros([16, 64], gl.float32, layout=MMA))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
