@@ -139,6 +139,33 @@ def _value_tile(vw, s00, z00, s10, z10, s01, z01, s11, z11):
 
 
 TRIVIAL = gl.constexpr(True)
+PAD = gl.constexpr(True)  # drop the MMA's padding rows 8..15 from the softmax and the rescale
+PADQ = gl.constexpr(False)  # q's padding rows as constant zeros (ptxas then copies operand quads: more MOVs)
+PADP = gl.constexpr(1)  # P's padding rows: 0 constant zeros, 1 a copy of rows 0..7 (no zero registers to build)
+
+
+@gluon.jit
+def _top(x):
+    """[16, N] (MMA rows r, r + 8 per lane) -> rows 0..7 [8, N] (a register subset, no data movement)."""
+    x = gl.permute(gl.reshape(x, [2, 8, x.shape[1]]), [1, 2, 0])
+    top, bot = gl.split(x)
+    return top
+
+
+@gluon.jit
+def _dup(top, layout: gl.constexpr):
+    """rows 0..7 [8, N] -> [16, N] in ``layout``, rows 8..15 a copy of rows 0..7."""
+    x = gl.join(top, top)
+    x = gl.reshape(gl.permute(x, [2, 0, 1]), [16, top.shape[1]])
+    return gl.convert_layout(x, layout, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _pad(top, fill: gl.constexpr, layout: gl.constexpr):
+    """rows 0..7 [8, N] -> [16, N] in ``layout`` with rows 8..15 = fill (constants)."""
+    x = gl.join(top, gl.full(top.shape, fill, top.dtype, top.type.layout))
+    x = gl.reshape(gl.permute(x, [2, 0, 1]), [16, top.shape[1]])
+    return gl.convert_layout(x, layout, assert_trivial=TRIVIAL)
 
 
 @gluon.jit
@@ -228,6 +255,8 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
     qv = gl.load(q_ptr + b * s_qb + (h * GROUP + qr)[:, None] * s_qh + ch[None, :], mask=(qr < GROUP)[:, None],
                  other=0.0)
     qa = gl.convert_layout(qv.to(gl.float16), QA)
+    if PADQ:
+        qa = _pad(_top(qa), 0.0, QA)
 
     length = gl.load(len_ptr + b)
     npg = gl.cdiv(length, P)
@@ -248,8 +277,12 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
     wq = g * (D // 2) + wk * 2  # [1, 2, 1, 16] in int32 pairs (scales [P/G, D] per page: group row of D)
     wq32 = _idx(2, 1, LK32, 4) * (D // 2) + _idx(32, 3, LK32, 4)  # [1, 2, 1, 32]: the same pairs, a and b
 
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
-    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    if PAD:
+        m_i = gl.max(_top(gl.full([16, 64], float("-inf"), gl.float32, layout=MMA)), axis=1)
+        l_i = gl.sum(_top(gl.zeros([16, 64], gl.float32, layout=MMA)), axis=1)
+    else:
+        m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
     a0 = gl.zeros([16, 32], gl.float32, layout=MMA)
     a1 = gl.zeros([16, 32], gl.float32, layout=MMA)
     a2 = gl.zeros([16, 32], gl.float32, layout=MMA)
@@ -269,27 +302,40 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
         s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, wq32, 1)
         kt = _key_tile(kw, s00, z00, s10, z10, s01, z01, s11, z11)
         s = gl.nvidia.ampere.mma_v2(qa, kt, gl.zeros([16, 64], gl.float32, layout=MMA))
+        if PAD:
+            s = _top(s)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
+        if PAD:
+            if PADP == 1:
+                p16 = _dup(p.to(gl.float16), QA)
+            else:
+                p16 = _pad(p.to(gl.float16), 0.0, QA)
+            al = _pad(alpha[:, None], 1.0, MMA)  # [16, 1]: 1.0 on the padding rows (x * 1.0 folds away)
+        else:
+            p16 = gl.convert_layout(p.to(gl.float16), QA, assert_trivial=TRIVIAL)
+            al = alpha[:, None]
         if VALUES:
-            pa = gl.convert_layout(p.to(gl.float16), QA, assert_trivial=TRIVIAL)
             vw_pg = vw_h + page * s_vcp
             vs_pg = vs_h + page * (s_vsp // 2)
             vz_pg = vz_h + page * (s_vsp // 2)
-            a0 = _value_group(0, a0 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
-            a1 = _value_group(1, a1 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
-            a2 = _value_group(2, a2 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
-            a3 = _value_group(3, a3 * alpha[:, None], pa, vw_pg, vs_pg, vz_pg)
+            a0 = _value_group(0, a0 * al, p16, vw_pg, vs_pg, vz_pg)
+            a1 = _value_group(1, a1 * al, p16, vw_pg, vs_pg, vz_pg)
+            a2 = _value_group(2, a2 * al, p16, vw_pg, vs_pg, vz_pg)
+            a3 = _value_group(3, a3 * al, p16, vw_pg, vs_pg, vz_pg)
         else:  # keys only: keep p alive
-            a0 = a0 * alpha[:, None] + gl.sum(p, axis=1)[:, None]
+            a0 = a0 * al + gl.sum(p16.to(gl.float32), axis=1)[:, None]
 
     # partials of the GROUP real rows: m, l [B * Hq, NS], o [B * Hq, NS, D]
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     hq = (b * Hkv + h) * GROUP + rows
     rmask = rows < GROUP
+    if PAD:
+        m_i = gl.max(_pad(m_i[:, None], 0.0, MMA), axis=1)
+        l_i = gl.max(_pad(l_i[:, None], 0.0, MMA), axis=1)
     gl.store(m_ws + hq * NS + split, m_i, mask=rmask)
     gl.store(l_ws + hq * NS + split, l_i, mask=rmask)
     cols = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
