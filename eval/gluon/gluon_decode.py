@@ -24,6 +24,8 @@ it needs, and each word unpacks with its ODD pairs (bytes q, q + 2 in the two ha
   group of token pi(n), so every lane needs the key scales of one group only).
 """
 
+import os
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -37,7 +39,7 @@ LK = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 2, 4, 4], [1, 1, 1, 1], [3,
 LV = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
 LV8 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))  # value scale runs
 LK32 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))  # key scale runs
-VEC = gl.constexpr(True)  # vectorized scale loads
+VEC = gl.constexpr(int(os.environ.get("GD_VEC", 1)))  # vectorized scale loads
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # q load (outside the loop)
 
 
@@ -139,9 +141,9 @@ def _value_tile(vw, s00, z00, s10, z10, s01, z01, s11, z11):
 
 
 TRIVIAL = gl.constexpr(True)
-PAD = gl.constexpr(True)  # drop the MMA's padding rows 8..15 from the softmax and the rescale
-PADQ = gl.constexpr(False)  # q's padding rows as constant zeros (ptxas then copies operand quads: more MOVs)
-PADP = gl.constexpr(1)  # P's padding rows: 0 constant zeros, 1 a copy of rows 0..7 (no zero registers to build)
+PAD = gl.constexpr(int(os.environ.get("GD_PAD", 1)))  # drop the MMA's padding rows 8..15 from the softmax and the rescale
+PADQ = gl.constexpr(int(os.environ.get("GD_PADQ", 0)))  # q's padding rows as constant zeros (ptxas then copies operand quads: more MOVs)
+PADP = gl.constexpr(int(os.environ.get("GD_PADP", 1)))  # P's padding rows: 0 constant zeros, 1 a copy of rows 0..7 (no zero registers to build)
 
 
 @gluon.jit
