@@ -39,7 +39,8 @@ LK = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 2, 4, 4], [1, 1, 1, 1], [3,
 LV = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
 LV8 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))  # value scale runs
 LK32 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))  # key scale runs
-VEC = gl.constexpr(int(os.environ.get("GD_VEC", 1)))  # vectorized scale loads
+VEC = gl.constexpr(int(os.environ.get("GD_VEC", 1)))
+PF = gl.constexpr(int(os.environ.get("GD_PF", 0)))  # 1: prefetch the next page index, 2: and its key words  # vectorized scale loads
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # q load (outside the loop)
 
 
@@ -295,9 +296,24 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
     vw_h = vw_ptr + h * s_vch
     vs_h = (vs_ptr + h * s_vsh).to(gl.pointer_type(gl.int32), bitcast=True)
     vz_h = (vz_ptr + h * s_vsh).to(gl.pointer_type(gl.int32), bitcast=True)
+    bt_b = bt_ptr + b * s_btb
+    last = gl.maximum(t_full // P - 1, 0)
+    if PF >= 1:  # software prefetch (Gluon does not pipeline): the next step's page index (and key words)
+        page_n = gl.load(bt_b + gl.minimum(t0 // P, last)).to(gl.int64)
+        if PF >= 2:
+            kw_n = gl.load(kw_h + page_n * s_kcp + koff)
     for start in range(t0, t_full, P):
-        page = gl.load(bt_ptr + b * s_btb + start // P).to(gl.int64)
-        kw = gl.load(kw_h + page * s_kcp + koff)
+        if PF >= 1:
+            page = page_n
+            page_n = gl.load(bt_b + gl.minimum(start // P + 1, last)).to(gl.int64)
+            if PF >= 2:
+                kw = kw_n
+                kw_n = gl.load(kw_h + page_n * s_kcp + koff)
+            else:
+                kw = gl.load(kw_h + page * s_kcp + koff)
+        else:
+            page = gl.load(bt_b + start // P).to(gl.int64)
+            kw = gl.load(kw_h + page * s_kcp + koff)
         ks_pg = ks_h + page * (s_ksp // 2)
         kz_pg = kz_h + page * (s_ksp // 2)
         s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
