@@ -362,3 +362,168 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
     gl.store(ob + 32, a1, mask=rmask[:, None])
     gl.store(ob + 64, a2, mask=rmask[:, None])
     gl.store(ob + 96, a3, mask=rmask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Transposed variant (as kernels/attention.py): S^T = K q^T (A = K [64 tokens, 128 slots], B = q^T [128, 8]) and
+# O^T += V^T P^T (A = V^T [32 channels, 64 token slots] per value group, B = P^T [64, 8]). The query heads are the
+# MMA's N = 8 (4 real): the padding is in lanes, not registers, and half the HMMAs. P^T goes from S^T's accumulator
+# registers to the B-operand registers with one movmatrix.trans per 8x8 block (inline PTX; the accumulator fragment
+# of a block is movmatrix's source fragment, its result the B fragment of the transposed block), then relabelled
+# (reshape/permute: no data movement) so that Triton sees the B-operand layout.
+
+_MOVT = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+LQT = gl.constexpr(gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1]))  # q^T load (outside the loop)
+
+
+@gluon.jit
+def _key_tile_t(kw, s00, z00, s10, z10, s01, z01, s11, z11):
+    """key words [8, 2, 4, 16] (LK) -> K [64 token rows, 128 slots] fp16 in the A-operand layout."""
+    a0, a1, b0, b1, c0, c1, d0, d1 = _unpack(kw, s00, z00, s10, z10, s01, z01, s11, z11)
+    x = _j3(a0, a1, b0, b1, c0, c1, d0, d1)  # [j, g, nl, w, e, h, p]
+    x = gl.reshape(x, [8, 2, 4, 4, 4, 2, 2, 2])  # [j, g, nl, c, wt, e, h, p]
+    x = gl.permute(x, [0, 1, 2, 7, 4, 6, 3, 5])  # [j, g, nl, p, wt, h, c, e]
+    x = gl.reshape(x, [64, 128])
+    return gl.convert_layout(x, QA, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _value_tile_t(vw, s00, z00, s10, z10, s01, z01, s11, z11):
+    """value words of one 32-channel group [4, 8, 4, 2] (LV) -> V^T [32 channels, 64 token slots], A operand."""
+    a0, a1, b0, b1, c0, c1, d0, d1 = _unpack(vw, s00, z00, s10, z10, s01, z01, s11, z11)
+    x = _j3(a0, a1, b0, b1, c0, c1, d0, d1)  # [jl, r, c, u, e, h, p]
+    x = gl.permute(x, [0, 1, 3, 6, 5, 2, 4])  # [jl, r, u, p, h, c, e]
+    x = gl.reshape(x, [32, 64])
+    return gl.convert_layout(x, QA, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _value_group_t(gi: gl.constexpr, acc, pb, vw_pg, vs_pg, vz_pg):
+    """acc^T [32, 8] += V_g^T P^T for value group gi (see _value_group)."""
+    jl = _idx(4, 0, LV, 4)
+    r = _idx(8, 1, LV, 4)
+    c = _idx(4, 2, LV, 4)
+    u = _idx(2, 3, LV, 4)
+    ch = gi * 32 + jl * 8 + r
+    w = gl.load(vw_pg + ch * 8 + (c * 2 + u))
+    c8 = _idx(4, 2, LV8, 4)
+    i8 = _idx(8, 3, LV8, 4)
+    pr8 = gi * 32 + c8 * 8 + i8
+    s00, s10, s01, s11 = _split4(gl.load(vs_pg + pr8))
+    z00, z10, z01, z11 = _split4(gl.load(vz_pg + pr8))
+    z00 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s00, z00], dtype=gl.int32, is_pure=True, pack=1)
+    z10 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s10, z10], dtype=gl.int32, is_pure=True, pack=1)
+    z01 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s01, z01], dtype=gl.int32, is_pure=True, pack=1)
+    z11 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s11, z11], dtype=gl.int32, is_pure=True, pack=1)
+    v = _value_tile_t(w, s00, z00, s10, z10, s01, z01, s11, z11)
+    return gl.nvidia.ampere.mma_v2(v, pb, acc)
+
+
+@gluon.jit
+def _pt_operand(p):
+    """P^T [64, 8] fp16 in S^T's accumulator layout -> the B-operand layout: movmatrix.trans per 8x8 block, then a
+    relabelling (block-local transpose of the indices) that moves no data."""
+    y = gl.inline_asm_elementwise(_MOVT, "=r,r", [p], dtype=gl.float16, is_pure=True, pack=2)
+    y = gl.reshape(gl.permute(gl.reshape(y, [8, 8, 8]), [0, 2, 1]), [64, 8])
+    return gl.convert_layout(y, OPB, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
+                          m_ws, l_ws, o_ws, qk_scale, Hkv, NS, s_qb, s_qh, s_btb, s_kcp, s_kch, s_ksp, s_ksh,
+                          s_vcp, s_vch, s_vsp, s_vsh, GROUP: gl.constexpr, VALUES: gl.constexpr):
+    """gluon_decode_kernel with transposed MMAs (same arguments, same outputs)."""
+    P: gl.constexpr = 64
+    D: gl.constexpr = 128
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid // Hkv
+    h = pid % Hkv
+    k = gl.arange(0, D, layout=gl.SliceLayout(1, LQT))
+    hd = gl.arange(0, 8, layout=gl.SliceLayout(0, LQT))
+    ch = (k // 64) * 64 + ((k // 2) % 4) * 16 + ((k // 16) % 4) * 4 + (k // 8) % 2 + 2 * (k % 2)
+    qv = gl.load(q_ptr + b * s_qb + (h * GROUP + hd)[None, :] * s_qh + ch[:, None], mask=(hd < GROUP)[None, :],
+                 other=0.0)
+    qb = gl.convert_layout(qv.to(gl.float16), OPB)
+
+    length = gl.load(len_ptr + b)
+    npg = gl.cdiv(length, P)
+    pps = gl.cdiv(npg, NS)
+    t0 = split * pps * P
+    t1 = gl.minimum(t0 + pps * P, length)
+    t_full = t0 + gl.maximum(t1 - t0, 0) // P * P
+
+    j = _idx(8, 0, LK, 4)
+    g = _idx(2, 1, LK, 4)
+    nl = _idx(4, 2, LK, 4)
+    wk = _idx(16, 3, LK, 4)
+    n = j * 8 + g * 4 + nl  # S^T row m
+    tok = 8 * (2 * ((n // 2) % 4) + n // 32) + 4 * ((n // 16) % 2) + 2 * ((n // 8) % 2) + n % 2
+    koff = tok * 16 + wk
+    wq = g * (D // 2) + wk * 2
+    wq32 = _idx(2, 1, LK32, 4) * (D // 2) + _idx(32, 3, LK32, 4)
+
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    a0 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    a1 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    a2 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    a3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    kw_h = kw_ptr + h * s_kch
+    ks_h = (ks_ptr + h * s_ksh).to(gl.pointer_type(gl.int32), bitcast=True)
+    kz_h = (kz_ptr + h * s_ksh).to(gl.pointer_type(gl.int32), bitcast=True)
+    vw_h = vw_ptr + h * s_vch
+    vs_h = (vs_ptr + h * s_vsh).to(gl.pointer_type(gl.int32), bitcast=True)
+    vz_h = (vz_ptr + h * s_vsh).to(gl.pointer_type(gl.int32), bitcast=True)
+    bt_b = bt_ptr + b * s_btb
+    last = gl.maximum(t_full // P - 1, 0)
+    if PF >= 1:
+        page_n = gl.load(bt_b + gl.minimum(t0 // P, last)).to(gl.int64)
+        if PF >= 2:
+            kw_n = gl.load(kw_h + page_n * s_kcp + koff)
+    for start in range(t0, t_full, P):
+        if PF >= 1:
+            page = page_n
+            page_n = gl.load(bt_b + gl.minimum(start // P + 1, last)).to(gl.int64)
+            if PF >= 2:
+                kw = kw_n
+                kw_n = gl.load(kw_h + page_n * s_kcp + koff)
+            else:
+                kw = gl.load(kw_h + page * s_kcp + koff)
+        else:
+            page = gl.load(bt_b + start // P).to(gl.int64)
+            kw = gl.load(kw_h + page * s_kcp + koff)
+        ks_pg = ks_h + page * (s_ksp // 2)
+        kz_pg = kz_h + page * (s_ksp // 2)
+        s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
+        s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, wq32, 1)
+        kt = _key_tile_t(kw, s00, z00, s10, z10, s01, z01, s11, z11)
+        s = gl.nvidia.ampere.mma_v2(kt, qb, gl.zeros([64, 8], gl.float32, layout=MMA))  # S^T [64 tokens, 8 heads]
+        m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        pb = _pt_operand(p.to(gl.float16))
+        if VALUES:
+            vw_pg = vw_h + page * s_vcp
+            vs_pg = vs_h + page * (s_vsp // 2)
+            vz_pg = vz_h + page * (s_vsp // 2)
+            a0 = _value_group_t(0, a0 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+            a1 = _value_group_t(1, a1 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+            a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+            a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+        else:
+            a0 = a0 * alpha[None, :] + gl.sum(pb.to(gl.float32), axis=0)[None, :]
+
+    hds = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    hq = (b * Hkv + h) * GROUP + hds
+    hmask = hds < GROUP
+    gl.store(m_ws + hq * NS + split, m_i, mask=hmask)
+    gl.store(l_ws + hq * NS + split, l_i, mask=hmask)
+    rows = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
+    ob = o_ws + (hq * NS + split)[None, :] * D + rows[:, None]
+    gl.store(ob, a0, mask=hmask[None, :])
+    gl.store(ob + 32, a1, mask=hmask[None, :])
+    gl.store(ob + 64, a2, mask=hmask[None, :])
+    gl.store(ob + 96, a3, mask=hmask[None, :])

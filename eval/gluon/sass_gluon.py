@@ -74,7 +74,8 @@ def loops(sass):
 def main(argv):
     const = dict(GROUP=4, VALUES=1)
     const.update({k: int(v) for k, v in (a.split("=") for a in argv if a.split("=")[0] in ("GROUP", "VALUES"))})
-    k = compile_kernel(gluon_decode.gluon_decode_kernel, const, int(os.environ.get("R", 0)) or None)
+    fn = gluon_decode.gluon_decode_t_kernel if os.environ.get("GD_T", "0") == "1" else gluon_decode.gluon_decode_kernel
+    k = compile_kernel(fn, const, int(os.environ.get("R", 0)) or None)
     res, sass = disassemble(k)
     if os.environ.get("DUMP"):
         for ext, key in (("sass", None), ("ptx", "ptx"), ("ttgir", "ttgir"), ("llir", "llir")):
