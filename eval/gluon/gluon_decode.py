@@ -210,11 +210,12 @@ def _value_group(gi: gl.constexpr, acc, pa, vw_pg, vs_pg, vz_pg):
 @gluon.jit
 def _split4(x):
     """[1, 1, 4, 8] pairs (u, k, q) -> (q0k0, q1k0, q0k1, q1k1) as [1, 1, 4, 2] (LV)"""
-    x = gl.reshape(x, [1, 1, 4, 2, 2, 2])
-    k0q0, k0q1 = gl.split(gl.split(x)[0])
-    k1q0, k1q1 = gl.split(gl.split(x)[1])
-    return (gl.convert_layout(k0q0, LV, assert_trivial=TRIVIAL), gl.convert_layout(k0q1, LV, assert_trivial=TRIVIAL),
-            gl.convert_layout(k1q0, LV, assert_trivial=TRIVIAL), gl.convert_layout(k1q1, LV, assert_trivial=TRIVIAL))
+    x = gl.reshape(x, [1, 1, 4, 2, 2, 2])  # [.., c, u, k, q]
+    xq0, xq1 = gl.split(x)  # the last dim (q) first: [.., c, u, k] each
+    q0k0, q0k1 = gl.split(xq0)
+    q1k0, q1k1 = gl.split(xq1)
+    return (gl.convert_layout(q0k0, LV, assert_trivial=TRIVIAL), gl.convert_layout(q1k0, LV, assert_trivial=TRIVIAL),
+            gl.convert_layout(q0k1, LV, assert_trivial=TRIVIAL), gl.convert_layout(q1k1, LV, assert_trivial=TRIVIAL))
 
 
 @gluon.jit
