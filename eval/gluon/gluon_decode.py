@@ -515,7 +515,7 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
             a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
             a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
         else:
-            a0 = a0 * alpha[None, :] + gl.sum(pb.to(gl.float32), axis=0)[None, :]
+            a0 = a0 * alpha[None, :] + gl.sum(p, axis=0)[None, :]  # keys only (P^T's movmatrix not counted)
 
     hds = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     hq = (b * Hkv + h) * GROUP + hds
