@@ -345,8 +345,8 @@ def gluon_decode_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, 
             a1 = _value_group(1, a1 * al, p16, vw_pg, vs_pg, vz_pg)
             a2 = _value_group(2, a2 * al, p16, vw_pg, vs_pg, vz_pg)
             a3 = _value_group(3, a3 * al, p16, vw_pg, vs_pg, vz_pg)
-        else:  # keys only: keep p alive
-            a0 = a0 * al + gl.sum(p16.to(gl.float32), axis=1)[:, None]
+        else:  # keys only (p stays alive through l_i)
+            a0 = a0 * al
 
     # partials of the GROUP real rows: m, l [B * Hq, NS], o [B * Hq, NS, D]
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
