@@ -429,6 +429,75 @@ def _pt_operand(p):
     return gl.convert_layout(y, OPB, assert_trivial=TRIVIAL)
 
 
+VFOLD = gl.constexpr(int(os.environ.get("GD_VFOLD", 0)))  # value scales folded into P^T (raw 16 + c codes)
+_UNPACK_RAW = gl.constexpr("""{
+.reg .b32 t<4>, r<4>;
+shl.b32 t0, $8, 6;
+shr.u32 t1, $8, 2;
+shl.b32 t2, $8, 2;
+shr.u32 t3, $8, 6;
+lop3.b32 r0, t0, 0x03C003C0, 0x4C004C00, 0xEA;
+lop3.b32 r1, t1, 0x03C003C0, 0x4C004C00, 0xEA;
+lop3.b32 r2, t2, 0x03C003C0, 0x4C004C00, 0xEA;
+lop3.b32 r3, t3, 0x03C003C0, 0x4C004C00, 0xEA;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}""")
+_HMUL2 = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
+_FOLD2 = gl.constexpr("{.reg .b32 m; mov.b32 m, 0xCC00CC00; fma.rn.f16x2 $0, $1, m, $2;}")
+# natural-token tiles whose relabelling (token 16c + 8u + 4p + 2h + e -> slot e + 2c + 8h + 16p + 32u) is the
+# B operand [64 slots, 8] / the A operand [16, 64 slots] (up to a register permutation, which Gluon accepts as
+# trivial): 16 consecutive tokens per lane in consecutive registers (two 16-byte loads)
+LSB = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]],
+                                              lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[],
+                                              block_bases=[], shape=[64, 8]))
+LZA = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+                                              lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[],
+                                              block_bases=[], shape=[16, 64]))
+
+
+@gluon.jit
+def _value_tile_raw_t(vw):
+    """value words of one group (LV) -> V^T [32, 64 slots] of 16 + code (exact), A operand."""
+    a0, a1, b0, b1, c0, c1, d0, d1 = gl.inline_asm_elementwise(_UNPACK_RAW, "=h,=h,=h,=h,=h,=h,=h,=h,r", [vw],
+                                                               dtype=(gl.float16, ) * 8, is_pure=True, pack=1)
+    x = _j3(a0, a1, b0, b1, c0, c1, d0, d1)  # [jl, r, c, u, e, h, p]
+    x = gl.permute(x, [0, 1, 3, 6, 5, 2, 4])  # [jl, r, u, p, h, c, e]
+    x = gl.reshape(x, [32, 64])
+    return gl.convert_layout(x, QA, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _slots_b(x):
+    """[64 tokens (natural), 8] in LSB -> [64 slots, 8] in the B-operand layout (relabelling only)."""
+    x = gl.permute(gl.reshape(x, [4, 2, 2, 2, 2, 8]), [1, 2, 3, 0, 4, 5])
+    return gl.convert_layout(gl.reshape(x, [64, 8]), OPB, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _slots_a(x):
+    """[16, 64 tokens (natural)] in LZA -> [16, 64 slots] in the A-operand layout (relabelling only)."""
+    x = gl.permute(gl.reshape(x, [16, 4, 2, 2, 2, 2]), [0, 2, 3, 4, 1, 5])
+    return gl.convert_layout(gl.reshape(x, [16, 64]), QA, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _value_group_fold_t(gi: gl.constexpr, acc, pb, vw_pg, vs16, tokb):
+    """acc^T [32, 8] += V_g^T (16 + c) (P^T * s_g): the group's per-token scales multiply P^T's rows (8 HMUL2 per
+    lane) instead of every code; the zero points go through the separate bias product."""
+    jl = _idx(4, 0, LV, 4)
+    r = _idx(8, 1, LV, 4)
+    c = _idx(4, 2, LV, 4)
+    u = _idx(2, 3, LV, 4)
+    ch = gi * 32 + jl * 8 + r
+    w = gl.load(vw_pg + ch * 8 + (c * 2 + u))
+    sg = _slots_b(gl.load(vs16 + gi * 64 + tokb))  # [64 slots, 8] fp16 scales (broadcast over the heads)
+    ps = gl.inline_asm_elementwise(_HMUL2, "=r,r,r", [pb, sg], dtype=gl.float16, is_pure=True, pack=2)
+    return gl.nvidia.ampere.mma_v2(_value_tile_raw_t(w), ps, acc)
+
+
 @gluon.jit
 def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
                           m_ws, l_ws, o_ws, qk_scale, Hkv, NS, s_qb, s_qh, s_btb, s_kcp, s_kch, s_ksp, s_ksh,
@@ -470,6 +539,10 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
     a1 = gl.zeros([32, 8], gl.float32, layout=MMA)
     a2 = gl.zeros([32, 8], gl.float32, layout=MMA)
     a3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    bacc = gl.zeros([16, 8], gl.float32, layout=MMA)  # VFOLD: sum_t P z'_g, row g = value group g
+    tokb = gl.arange(0, 64, layout=gl.SliceLayout(1, LSB))[:, None] + gl.zeros([1, 8], gl.int32, layout=LSB)
+    zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, LZA))[:, None]
+    zoff = (zrow % 4) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, LZA))[None, :]  # rows 4..15 repeat 0..3
     kw_h = kw_ptr + h * s_kch
     ks_h = (ks_ptr + h * s_ksh).to(gl.pointer_type(gl.int32), bitcast=True)
     kz_h = (kz_ptr + h * s_ksh).to(gl.pointer_type(gl.int32), bitcast=True)
@@ -510,13 +583,30 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
             vw_pg = vw_h + page * s_vcp
             vs_pg = vs_h + page * (s_vsp // 2)
             vz_pg = vz_h + page * (s_vsp // 2)
-            a0 = _value_group_t(0, a0 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
-            a1 = _value_group_t(1, a1 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
-            a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
-            a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+            if VFOLD:
+                vs16 = vs_ptr + h * s_vsh + page * s_vsp
+                vz16 = vz_ptr + h * s_vsh + page * s_vsp
+                zf = gl.inline_asm_elementwise(_FOLD2, "=r,r,r", [gl.load(vs16 + zoff), gl.load(vz16 + zoff)],
+                                               dtype=gl.float16, is_pure=True, pack=2)  # z - 16 s, [16 rows, 64]
+                bacc = gl.nvidia.ampere.mma_v2(_slots_a(zf), pb, bacc * alpha[None, :])
+                a0 = _value_group_fold_t(0, a0 * alpha[None, :], pb, vw_pg, vs16, tokb)
+                a1 = _value_group_fold_t(1, a1 * alpha[None, :], pb, vw_pg, vs16, tokb)
+                a2 = _value_group_fold_t(2, a2 * alpha[None, :], pb, vw_pg, vs16, tokb)
+                a3 = _value_group_fold_t(3, a3 * alpha[None, :], pb, vw_pg, vs16, tokb)
+            else:
+                a0 = _value_group_t(0, a0 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+                a1 = _value_group_t(1, a1 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+                a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
+                a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
         else:
             a0 = a0 * alpha[None, :] + gl.sum(p, axis=0)[None, :]  # keys only (P^T's movmatrix not counted)
 
+    if VFOLD:  # the zero points' sum_t P z'_g (row g of bacc) joins every channel of value group g
+        br = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))[:, None]
+        a0 = a0 + gl.sum(gl.where(br == 0, bacc, 0.0), axis=0)[None, :]
+        a1 = a1 + gl.sum(gl.where(br == 1, bacc, 0.0), axis=0)[None, :]
+        a2 = a2 + gl.sum(gl.where(br == 2, bacc, 0.0), axis=0)[None, :]
+        a3 = a3 + gl.sum(gl.where(br == 3, bacc, 0.0), axis=0)[None, :]
     hds = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     hq = (b * Hkv + h) * GROUP + hds
     hmask = hds < GROUP
