@@ -4,6 +4,7 @@
                                              # arithmetic against kivi_cache.reference (no Gluon)
     python eval/gluon/check.py [--bench]     # GPU (Triton 3.6): both Gluon kernels against the reference, and the
                                              # existing kivi_cache.kernels.paged_decode_attention; --bench times them
+    python eval/gluon/check.py --all [--bench]   # the same under every variant of VARIANTS (subprocesses)
     env GD_PF=0|1|2, GD_PAD, GD_PADP, ... select the kernel variants (gluon_decode.py's flags)
 
 Scope of the spike: 4/4 bits, group 32, head_dim 128, page 64, GQA 4 (32 query heads / 8 KV heads), fp16, whole
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kivi_cache import reference  # noqa: E402
 
 D, P, G, BITS, GROUP = 128, 64, 32, 4, 4
+VARIANTS = ({}, {"GD_PF": "1"}, {"GD_PF": "2"}, {"GD_VFOLD": "1"}, {"GD_VFOLD": "1", "GD_PF": "1"}, {"GD_PAD": "0"})
 LOG2E = 1.4426950408889634
 
 
@@ -90,8 +92,9 @@ def fold(s, z):
     return (z.float() - 16 * s.float()).half()  # fma(s, -16, z) rounded once
 
 
-def emulate(c, sm_scale, ns):
-    """The kernel's arithmetic per (b, h, split) with its index maps, in torch (CPU); returns [B, Hq, D]."""
+def emulate(c, sm_scale, ns, vfold=False):
+    """The kernel's arithmetic per (b, h, split) with its index maps, in torch (CPU); returns [B, Hq, D].
+    ``vfold``: GD_VFOLD=1 (value scales on P^T, raw 16 + c value codes, zero points through a bias product)."""
     q, bt, lengths = c["q"], c["block_table"], c["lengths"]
     kw = c["k_codes"].view(torch.int32)  # [NP, H, P, 16]
     vw = c["v_codes"].view(torch.int32)  # [NP, H, D, 8]
@@ -117,6 +120,7 @@ def emulate(c, sm_scale, ns):
                 m = torch.full((GROUP,), -math.inf)
                 l_ = torch.zeros(GROUP)
                 o = torch.zeros(GROUP, D)
+                bias = torch.zeros(GROUP, D // G)
                 for start in range(t0, t0 + max(t1 - t0, 0) // P * P, P):
                     page = int(bt[b, start // P])
                     # keys: K^T [128 slots, 64 columns]; column n reads token row key_token(n), lane c words 4c..4c+3
@@ -169,7 +173,31 @@ def emulate(c, sm_scale, ns):
                                         for e in (0, 1):
                                             slot = e + 2 * cc + 8 * x + 16 * p + 32 * u
                                             v[slot, ch] = pr[(x, p)][e]
-                    o = o * alpha[:, None] + p16.float() @ v.float()
+                    if vfold:
+                        ks_ = torch.arange(64)
+                        tk = key_token(ks_)  # slot -> token
+                        vraw = torch.empty(64, D)
+                        for ch in range(D):
+                            for cc in range(4):
+                                for u in range(2):
+                                    w = int(vw[page, h, ch, 2 * cc + u])
+                                    for x in (0, 1):
+                                        for p in (0, 1):
+                                            for e in (0, 1):
+                                                code = (w >> (16 * e + 8 * x + 4 * p)) & 15
+                                                vraw[e + 2 * cc + 8 * x + 16 * p + 32 * u, ch] = 16 + code
+                        sv = c["v_scale"][page, h][:, tk]  # [groups, 64 slots]
+                        zf = fold(c["v_scale"][page, h][:, tk], c["v_zero"][page, h][:, tk])
+                        pv = torch.empty(GROUP, D)
+                        for gi in range(D // G):
+                            pg = (p16.float() * sv[gi].float()[None, :]).half()  # mul.rn.f16x2
+                            pv[:, gi * G:(gi + 1) * G] = pg.float() @ vraw[:, gi * G:(gi + 1) * G]
+                        o = o * alpha[:, None] + pv
+                        bias = bias * alpha[:, None] + p16.float() @ zf.float().T
+                    else:
+                        o = o * alpha[:, None] + p16.float() @ v.float()
+                if vfold:
+                    o = o + bias.repeat_interleave(G, dim=1)
                 ms.append(m)
                 ls.append(l_)
                 os_.append(o)
@@ -215,15 +243,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--emulate", action="store_true")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--all", action="store_true", help="re-run (check, and --bench) under every variant's env")
     a = ap.parse_args()
+    if a.all:
+        import subprocess
+        for env in VARIANTS:
+            print(f"=== {env or 'defaults'}", flush=True)
+            r = subprocess.run([sys.executable, __file__] + (["--bench"] if a.bench else []), env={**os.environ, **env})
+            print(f"=== {env or 'defaults'}: rc {r.returncode}", flush=True)
+        return
     sm_scale = 1 / math.sqrt(D)
     if a.emulate:
         c = make_case(bsz=2, hkv=2, pages_per_seq=3)
         ref = ref_out(c, sm_scale)
-        for ns in (1, 2):
-            emu = emulate(c, sm_scale, ns)
+        for ns, vf in ((1, False), (2, False), (2, True)):
+            emu = emulate(c, sm_scale, ns, vf)
             err = (emu - ref).abs().max().item()
-            print(f"emulation NS={ns}: max |emu - ref| = {err:.3e} (ref max {ref.abs().max().item():.3f})")
+            print(f"emulation NS={ns} VFOLD={int(vf)}: max |emu - ref| = {err:.3e} "
+                  f"(ref max {ref.abs().max().item():.3f})")
             assert err < 2e-2, err
         print("emulation OK: index maps and unpack arithmetic match kivi_cache.reference")
         return
