@@ -399,8 +399,15 @@ def _value_tile_t(vw, s00, z00, s10, z10, s01, z01, s11, z11):
 
 
 @gluon.jit
-def _value_group_t(gi: gl.constexpr, acc, pb, vw_pg, vs_pg, vz_pg):
-    """acc^T [32, 8] += V_g^T P^T for value group gi (see _value_group)."""
+def _mask_pairs(x, t, lim):
+    """int32 pairs of tokens (t, t + 1): halves of tokens >= lim -> 0 (the partial last step)."""
+    return x & (gl.where(t < lim, 0xFFFF, 0) | gl.where(t + 1 < lim, -65536, 0))
+
+
+@gluon.jit
+def _value_group_t(gi: gl.constexpr, acc, pb, vw_pg, vs_pg, vz_pg, lim, MASK: gl.constexpr):
+    """acc^T [32, 8] += V_g^T P^T for value group gi (see _value_group); MASK: tokens >= lim of the step are
+    zeroed (their scale and folded zero pairs: their values may be anything, and 0 * inf is NaN)."""
     jl = _idx(4, 0, LV, 4)
     r = _idx(8, 1, LV, 4)
     c = _idx(4, 2, LV, 4)
@@ -416,6 +423,16 @@ def _value_group_t(gi: gl.constexpr, acc, pb, vw_pg, vs_pg, vz_pg):
     z10 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s10, z10], dtype=gl.int32, is_pure=True, pack=1)
     z01 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s01, z01], dtype=gl.int32, is_pure=True, pack=1)
     z11 = gl.inline_asm_elementwise(_VSC, "=r,r,r", [s11, z11], dtype=gl.int32, is_pure=True, pack=1)
+    if MASK:  # word 2c + u, pair (q, k): tokens 8w + 4k + 2q + {0, 1}
+        tw = (c * 2 + u) * 8
+        s00 = _mask_pairs(s00, tw, lim)
+        z00 = _mask_pairs(z00, tw, lim)
+        s10 = _mask_pairs(s10, tw + 2, lim)
+        z10 = _mask_pairs(z10, tw + 2, lim)
+        s01 = _mask_pairs(s01, tw + 4, lim)
+        z01 = _mask_pairs(z01, tw + 4, lim)
+        s11 = _mask_pairs(s11, tw + 6, lim)
+        z11 = _mask_pairs(z11, tw + 6, lim)
     v = _value_tile_t(w, s00, z00, s10, z10, s01, z01, s11, z11)
     return gl.nvidia.ampere.mma_v2(v, pb, acc)
 
@@ -484,7 +501,7 @@ def _slots_a(x):
 
 
 @gluon.jit
-def _value_group_fold_t(gi: gl.constexpr, acc, pb, vw_pg, vs16, tokb):
+def _value_group_fold_t(gi: gl.constexpr, acc, pb, vw_pg, vs16, tokb, lim, MASK: gl.constexpr):
     """acc^T [32, 8] += V_g^T (16 + c) (P^T * s_g): the group's per-token scales multiply P^T's rows (8 HMUL2 per
     lane) instead of every code; the zero points go through the separate bias product."""
     jl = _idx(4, 0, LV, 4)
@@ -493,7 +510,10 @@ def _value_group_fold_t(gi: gl.constexpr, acc, pb, vw_pg, vs16, tokb):
     u = _idx(2, 3, LV, 4)
     ch = gi * 32 + jl * 8 + r
     w = gl.load(vw_pg + ch * 8 + (c * 2 + u))
-    sg = _slots_b(gl.load(vs16 + gi * 64 + tokb))  # [64 slots, 8] fp16 scales (broadcast over the heads)
+    if MASK:
+        sg = _slots_b(gl.load(vs16 + gi * 64 + tokb, mask=tokb < lim, other=0.0))
+    else:
+        sg = _slots_b(gl.load(vs16 + gi * 64 + tokb))  # [64 slots, 8] fp16 scales (broadcast over the heads)
     ps = gl.inline_asm_elementwise(_HMUL2, "=r,r,r", [pb, sg], dtype=gl.float16, is_pure=True, pack=2)
     return gl.nvidia.ampere.mma_v2(_value_tile_raw_t(w), ps, acc)
 
@@ -555,51 +575,78 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
         page_n = gl.load(bt_b + gl.minimum(t0 // P, last)).to(gl.int64)
         if PF >= 2:
             kw_n = gl.load(kw_h + page_n * s_kcp + koff)
-    for start in range(t0, t_full, P):
-        if PF >= 1:
-            page = page_n
-            page_n = gl.load(bt_b + gl.minimum(start // P + 1, last)).to(gl.int64)
-            if PF >= 2:
-                kw = kw_n
-                kw_n = gl.load(kw_h + page_n * s_kcp + koff)
+    mtok = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    mtok = 8 * (2 * ((mtok // 2) % 4) + mtok // 32) + 4 * ((mtok // 16) % 2) + 2 * ((mtok // 8) % 2) + mtok % 2
+    ztok = gl.arange(0, 64, layout=gl.SliceLayout(0, LZA))[None, :] + zrow * 0
+    for phase in gl.static_range(2):  # whole steps, then at most one partial step (the only masked one)
+        if phase == 0:
+            lo = t0
+            hi = t_full
+        else:
+            lo = t_full
+            hi = t1
+        for start in range(lo, hi, P):
+            lim = t1 - start
+            if phase == 0 and PF >= 1:
+                page = page_n
+                page_n = gl.load(bt_b + gl.minimum(start // P + 1, last)).to(gl.int64)
+                if PF >= 2:
+                    kw = kw_n
+                    kw_n = gl.load(kw_h + page_n * s_kcp + koff)
+                else:
+                    kw = gl.load(kw_h + page * s_kcp + koff)
             else:
+                page = gl.load(bt_b + start // P).to(gl.int64)
                 kw = gl.load(kw_h + page * s_kcp + koff)
-        else:
-            page = gl.load(bt_b + start // P).to(gl.int64)
-            kw = gl.load(kw_h + page * s_kcp + koff)
-        ks_pg = ks_h + page * (s_ksp // 2)
-        kz_pg = kz_h + page * (s_ksp // 2)
-        s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
-        s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, wq32, 1)
-        kt = _key_tile_t(kw, s00, z00, s10, z10, s01, z01, s11, z11)
-        s = gl.nvidia.ampere.mma_v2(kt, qb, gl.zeros([64, 8], gl.float32, layout=MMA))  # S^T [64 tokens, 8 heads]
-        m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s * qk_scale - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        pb = _pt_operand(p.to(gl.float16))
-        if VALUES:
-            vw_pg = vw_h + page * s_vcp
-            vs_pg = vs_h + page * (s_vsp // 2)
-            vz_pg = vz_h + page * (s_vsp // 2)
-            if VFOLD:
-                vs16 = vs_ptr + h * s_vsh + page * s_vsp
-                vz16 = vz_ptr + h * s_vsh + page * s_vsp
-                zf = gl.inline_asm_elementwise(_FOLD2, "=r,r,r", [gl.load(vs16 + zoff), gl.load(vz16 + zoff)],
-                                               dtype=gl.float16, is_pure=True, pack=2)  # z - 16 s, [16 rows, 64]
-                bacc = gl.nvidia.ampere.mma_v2(_slots_a(zf), pb, bacc * alpha[None, :])
-                a0 = _value_group_fold_t(0, a0 * alpha[None, :], pb, vw_pg, vs16, tokb)
-                a1 = _value_group_fold_t(1, a1 * alpha[None, :], pb, vw_pg, vs16, tokb)
-                a2 = _value_group_fold_t(2, a2 * alpha[None, :], pb, vw_pg, vs16, tokb)
-                a3 = _value_group_fold_t(3, a3 * alpha[None, :], pb, vw_pg, vs16, tokb)
+            ks_pg = ks_h + page * (s_ksp // 2)
+            kz_pg = kz_h + page * (s_ksp // 2)
+            s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
+            s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, wq32, 1)
+            kt = _key_tile_t(kw, s00, z00, s10, z10, s01, z01, s11, z11)
+            s = gl.nvidia.ampere.mma_v2(kt, qb, gl.zeros([64, 8], gl.float32, layout=MMA))  # S^T [64 tokens, 8 heads]
+            if phase == 1:
+                s = gl.where((mtok < lim)[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s * qk_scale - m_new[None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            pb = _pt_operand(p.to(gl.float16))
+            if VALUES:
+                vw_pg = vw_h + page * s_vcp
+                vs_pg = vs_h + page * (s_vsp // 2)
+                vz_pg = vz_h + page * (s_vsp // 2)
+                if VFOLD:
+                    vs16 = vs_ptr + h * s_vsh + page * s_vsp
+                    vz16 = vz_ptr + h * s_vsh + page * s_vsp
+                    if phase == 1:
+                        zs = gl.load(vs16 + zoff, mask=ztok < lim, other=0.0)
+                        zz = gl.load(vz16 + zoff, mask=ztok < lim, other=0.0)
+                    else:
+                        zs = gl.load(vs16 + zoff)
+                        zz = gl.load(vz16 + zoff)
+                    zf = gl.inline_asm_elementwise(_FOLD2, "=r,r,r", [zs, zz], dtype=gl.float16, is_pure=True,
+                                                   pack=2)  # z - 16 s, [16 rows, 64]
+                    bacc = gl.nvidia.ampere.mma_v2(_slots_a(zf), pb, bacc * alpha[None, :])
+                    a0 = _value_group_fold_t(0, a0 * alpha[None, :], pb, vw_pg, vs16, tokb, lim,
+                                                    phase == 1)
+                    a1 = _value_group_fold_t(1, a1 * alpha[None, :], pb, vw_pg, vs16, tokb, lim,
+                                                    phase == 1)
+                    a2 = _value_group_fold_t(2, a2 * alpha[None, :], pb, vw_pg, vs16, tokb, lim,
+                                                    phase == 1)
+                    a3 = _value_group_fold_t(3, a3 * alpha[None, :], pb, vw_pg, vs16, tokb, lim,
+                                                    phase == 1)
+                else:
+                    a0 = _value_group_t(0, a0 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                                               phase == 1)
+                    a1 = _value_group_t(1, a1 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                                               phase == 1)
+                    a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                                               phase == 1)
+                    a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                                               phase == 1)
             else:
-                a0 = _value_group_t(0, a0 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
-                a1 = _value_group_t(1, a1 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
-                a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
-                a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg)
-        else:
-            a0 = a0 * alpha[None, :] + gl.sum(p, axis=0)[None, :]  # keys only (P^T's movmatrix not counted)
+                a0 = a0 * alpha[None, :] + gl.sum(p, axis=0)[None, :]  # keys only (P^T's movmatrix not counted)
 
     if VFOLD:  # the zero points' sum_t P z'_g (row g of bacc) joins every channel of value group g
         br = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))[:, None]
