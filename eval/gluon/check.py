@@ -7,8 +7,9 @@
     python eval/gluon/check.py --all [--bench]   # the same under every variant of VARIANTS (subprocesses)
     env GD_PF=0|1|2, GD_PAD, GD_PADP, ... select the kernel variants (gluon_decode.py's flags)
 
-Scope of the spike: 4/4 bits, group 32, head_dim 128, page 64, GQA 4 (32 query heads / 8 KV heads), fp16, whole
-64-token steps only (lengths multiples of 64), no residual window (res_lengths = 0); the partials are merged in torch.
+Scope of the spike: 4/4 bits, group 32, head_dim 128, page 64, GQA 4 (32 query heads / 8 KV heads), fp16, no
+residual window (res_lengths = 0); the partials are merged in torch. The FA2-form kernel handles whole 64-token
+steps only (lengths multiples of 64); the transposed kernel also the partial last step.
 """
 
 import argparse
@@ -266,14 +267,18 @@ def main():
         return
     from kivi_cache.kernels import paged_decode_attention
     dev = "cuda"
-    for bsz, pps, ns in ((2, 3, 1), (4, 8, 2), (3, 16, 4)):
-        c = make_case(bsz=bsz, pages_per_seq=pps, device=dev)
+    cases = [(2, 3, 1, None), (4, 8, 2, None), (3, 16, 4, None),
+             # partial last steps (transposed kernel only): a multiple of G (as the cache flushes), and any length
+             (3, 8, 2, [8 * P - 32, 5 * P + 32, 32]), (2, 8, 3, [7 * P - 17, 3 * P + 1])]
+    for bsz, pps, ns, lens in cases:
+        lens = None if lens is None else torch.tensor(lens, dtype=torch.int32)
+        c = make_case(bsz=bsz, pages_per_seq=pps, device=dev, lengths=lens)
         ref = ref_out(c, sm_scale)
         args = [c[k] for k in ("q", "block_table", "lengths", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
                                "v_zero", "res_k", "res_v", "res_lengths")]
         base = paged_decode_attention(*args, BITS, BITS, G, sm_scale, num_splits=ns).float()
         line = f"B={bsz} pages={pps} NS={ns}: existing kernel err {(base - ref).abs().max().item():.2e}"
-        for tr in (False, True):
+        for tr in ((False, True) if lens is None else (True,)):
             launch, merge = gluon_decode(c, sm_scale, ns, tr)
             launch()
             out = merge()

@@ -86,14 +86,17 @@ def main(argv):
     codes = 64 * 128 * (2 if const["VALUES"] else 1) // 32
     found = list(loops(sass))
     for n, c, _ in found:
-        print(f"loop: {n} instructions; top: " + ", ".join(f"{a} {b}" for a, b in c.most_common(16)))
+        spills = sum(v for kk, v in c.items() if kk.startswith(("STL", "LDL")))
+        print(f"loop: {n} instructions, {spills} spill instructions; top: "
+              + ", ".join(f"{a} {b}" for a, b in c.most_common(16)))
     # the paged loop = the first loop with MMAs (the transposed kernel's masked last step follows it as a second,
     # one-trip loop; the FA2 kernel has none)
     n, c, body = next(f for f in found if any(k.startswith("HMMA") for k in f[1]))
     mem = {o: sum(v for kk, v in c.items() if kk.startswith(o)) for o in ("LDG", "STS", "LDS", "LDSM", "STL", "LDL",
                                                                           "HMMA", "SHFL", "LOP3", "SHF", "HFMA2",
                                                                           "PRMT", "MUFU", "BAR")}
-    out = dict(instructions=n, codes_per_lane=codes, per_code=round(n / codes, 3), reg=reg, shared=k.metadata.shared,
+    total_spills = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))
+    out = dict(instructions=n, spills_total=total_spills, codes_per_lane=codes, per_code=round(n / codes, 3), reg=reg, shared=k.metadata.shared,
                **mem)
     print(json.dumps(out))
 
