@@ -5,7 +5,8 @@
     python eval/gluon/check.py [--bench]     # GPU (Triton 3.6): both Gluon kernels against the reference, and the
                                              # existing kivi_cache.kernels.paged_decode_attention; --bench times them
     python eval/gluon/check.py --all [--bench]   # the same under every variant of VARIANTS (subprocesses)
-    env GD_PF=0|1|2, GD_PAD, GD_PADP, ... select the kernel variants (gluon_decode.py's flags)
+    env GD_PF=0|1|2, GD_VFOLD, GD_PAD, GD_PADP, ... select the kernel variants (gluon_decode.py's flags), R=168 caps
+    the registers (12 one-warp programs per SM)
 
 Scope of the spike: 4/4 bits, group 32, head_dim 128, page 64, GQA 4 (32 query heads / 8 KV heads), fp16, no
 residual window (res_lengths = 0); the partials are merged in torch. The FA2-form kernel handles whole 64-token
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kivi_cache import reference  # noqa: E402
 
 D, P, G, BITS, GROUP = 128, 64, 32, 4, 4
-VARIANTS = ({}, {"GD_PF": "1"}, {"GD_PF": "2"}, {"GD_VFOLD": "1"}, {"GD_VFOLD": "1", "GD_PF": "1"}, {"GD_PAD": "0"})
+VARIANTS = ({}, {"GD_PF": "1"}, {"GD_PF": "1", "R": "168"}, {"GD_PF": "2"}, {"GD_VFOLD": "1"}, {"GD_PAD": "0"})
 LOG2E = 1.4426950408889634
 
 
@@ -225,12 +226,13 @@ def gluon_decode(c, sm_scale, ns, transposed):
     l_ws = torch.empty_like(m_ws)
     o_ws = torch.empty(bsz * hq, ns, D, device=q.device, dtype=torch.float32)
     fn = gd.gluon_decode_t_kernel if transposed else gd.gluon_decode_kernel
+    extra = {"maxnreg": int(os.environ["R"])} if os.environ.get("R") else {}  # env R: register cap (as sass_gluon)
 
     def launch():
         fn[(bsz * hkv, ns)](q, bt, lengths, kw, ks, kz, vw, vs, vz, m_ws, l_ws, o_ws, sm_scale * LOG2E, hkv, ns,
                             q.stride(0), q.stride(1), bt.stride(0), kw.stride(0), kw.stride(1), ks.stride(0),
                             ks.stride(1), vw.stride(0), vw.stride(1), vs.stride(0), vs.stride(1),
-                            GROUP=GROUP, VALUES=1, num_warps=1)
+                            GROUP=GROUP, VALUES=1, num_warps=1, **extra)
 
     def merge():
         top = m_ws.max(1, keepdim=True).values
