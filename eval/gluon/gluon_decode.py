@@ -405,15 +405,22 @@ def _mask_pairs(x, t, lim):
 
 
 @gluon.jit
-def _value_group_t(gi: gl.constexpr, acc, pb, vw_pg, vs_pg, vz_pg, lim, MASK: gl.constexpr):
-    """acc^T [32, 8] += V_g^T P^T for value group gi (see _value_group); MASK: tokens >= lim of the step are
-    zeroed (their scale and folded zero pairs: their values may be anything, and 0 * inf is NaN)."""
+def _value_words(gi: gl.constexpr, vw_pg):
+    """value words of group gi: [4, 8, 4, 2] int32 (LV), channel 32 gi + 8 jl + r, word 2c + u of its row."""
     jl = _idx(4, 0, LV, 4)
     r = _idx(8, 1, LV, 4)
     c = _idx(4, 2, LV, 4)
     u = _idx(2, 3, LV, 4)
-    ch = gi * 32 + jl * 8 + r
-    w = gl.load(vw_pg + ch * 8 + (c * 2 + u))
+    return gl.load(vw_pg + (gi * 32 + jl * 8 + r) * 8 + (c * 2 + u))
+
+
+@gluon.jit
+def _value_group_t(gi: gl.constexpr, acc, pb, w, vs_pg, vz_pg, lim, MASK: gl.constexpr):
+    """acc^T [32, 8] += V_g^T P^T for value group gi (see _value_group), w its words (_value_words); MASK: tokens
+    >= lim of the step are zeroed (their scale and folded zero pairs: their values may be anything, and 0 * inf is
+    NaN)."""
+    c = _idx(4, 2, LV, 4)
+    u = _idx(2, 3, LV, 4)
     c8 = _idx(4, 2, LV8, 4)
     i8 = _idx(8, 3, LV8, 4)
     pr8 = gi * 32 + c8 * 8 + i8
@@ -446,7 +453,8 @@ def _pt_operand(p):
     return gl.convert_layout(y, OPB, assert_trivial=TRIVIAL)
 
 
-VFOLD = gl.constexpr(int(os.environ.get("GD_VFOLD", 0)))  # value scales folded into P^T (raw 16 + c codes)
+VFOLD = gl.constexpr(int(os.environ.get("GD_VFOLD", 0)))
+VEARLY = gl.constexpr(int(os.environ.get("GD_VEARLY", 0)))  # transposed: value words loaded before the key half  # value scales folded into P^T (raw 16 + c codes)
 _UNPACK_RAW = gl.constexpr("""{
 .reg .b32 t<4>, r<4>;
 shl.b32 t0, $8, 6;
@@ -598,6 +606,11 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
             else:
                 page = gl.load(bt_b + start // P).to(gl.int64)
                 kw = gl.load(kw_h + page * s_kcp + koff)
+            if VEARLY and VALUES and not VFOLD:  # the step's value words issued before the key half
+                vw0 = _value_words(0, vw_h + page * s_vcp)
+                vw1 = _value_words(1, vw_h + page * s_vcp)
+                vw2 = _value_words(2, vw_h + page * s_vcp)
+                vw3 = _value_words(3, vw_h + page * s_vcp)
             ks_pg = ks_h + page * (s_ksp // 2)
             kz_pg = kz_h + page * (s_ksp // 2)
             s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
@@ -637,13 +650,18 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
                     a3 = _value_group_fold_t(3, a3 * alpha[None, :], pb, vw_pg, vs16, tokb, lim,
                                                     phase == 1)
                 else:
-                    a0 = _value_group_t(0, a0 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                    if not VEARLY:
+                        vw0 = _value_words(0, vw_pg)
+                        vw1 = _value_words(1, vw_pg)
+                        vw2 = _value_words(2, vw_pg)
+                        vw3 = _value_words(3, vw_pg)
+                    a0 = _value_group_t(0, a0 * alpha[None, :], pb, vw0, vs_pg, vz_pg, lim,
                                                phase == 1)
-                    a1 = _value_group_t(1, a1 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                    a1 = _value_group_t(1, a1 * alpha[None, :], pb, vw1, vs_pg, vz_pg, lim,
                                                phase == 1)
-                    a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                    a2 = _value_group_t(2, a2 * alpha[None, :], pb, vw2, vs_pg, vz_pg, lim,
                                                phase == 1)
-                    a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw_pg, vs_pg, vz_pg, lim,
+                    a3 = _value_group_t(3, a3 * alpha[None, :], pb, vw3, vs_pg, vz_pg, lim,
                                                phase == 1)
             else:
                 a0 = a0 * alpha[None, :] + gl.sum(p, axis=0)[None, :]  # keys only (P^T's movmatrix not counted)
