@@ -1,0 +1,311 @@
+"""Correctness and timing of the Gluon decode spike (eval/gluon/gluon_decode.py).
+
+    python eval/gluon/check.py --emulate     # CPU: a torch emulation of the kernels' index maps and unpack
+                                             # arithmetic against kivi_cache.reference (no Gluon)
+    python eval/gluon/check.py [--bench]     # GPU (Triton 3.6): both Gluon kernels against the reference, and the
+                                             # existing kivi_cache.kernels.paged_decode_attention; --bench times them
+    python eval/gluon/check.py --all [--bench]   # the same under every variant of VARIANTS (subprocesses)
+    env GD_PF=0|1|2, GD_VFOLD, GD_PAD, GD_PADP, ... select the kernel variants (gluon_decode.py's flags), R=168 caps
+    the registers (12 one-warp programs per SM)
+
+Scope of the spike: 4/4 bits, group 32, head_dim 128, page 64, GQA 4 (32 query heads / 8 KV heads), fp16, no
+residual window (res_lengths = 0); the partials are merged in torch. The FA2-form kernel handles whole 64-token
+steps only (lengths multiples of 64); the transposed kernel also the partial last step.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kivi_cache import reference  # noqa: E402
+
+D, P, G, BITS, GROUP = 128, 64, 32, 4, 4
+VARIANTS = ({}, {"GD_PF": "1"}, {"GD_PF": "1", "R": "168"}, {"GD_PF": "2"}, {"GD_VFOLD": "1"}, {"GD_PAD": "0"})
+LOG2E = 1.4426950408889634
+
+
+def make_case(bsz=4, hkv=8, pages_per_seq=8, device="cpu", seed=0, lengths=None):
+    gen = torch.Generator().manual_seed(seed)
+    npool = bsz * pages_per_seq + 3
+    hq = hkv * GROUP
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    k_codes = torch.randint(0, 256, (npool, hkv, P, D * BITS // 8), generator=gen, dtype=torch.uint8)
+    v_codes = torch.randint(0, 256, (npool, hkv, D, P * BITS // 8), generator=gen, dtype=torch.uint8)
+    k_scale = (rnd(npool, hkv, P // G, D).abs() * 0.1 + 0.02).half()
+    k_zero = (rnd(npool, hkv, P // G, D) * 0.5).half()
+    v_scale = (rnd(npool, hkv, D // G, P).abs() * 0.1 + 0.02).half()
+    v_zero = (rnd(npool, hkv, D // G, P) * 0.5).half()
+    perm = torch.randperm(npool, generator=gen)[:bsz * pages_per_seq].to(torch.int32)
+    block_table = perm.reshape(bsz, pages_per_seq).contiguous()
+    if lengths is None:
+        lengths = torch.tensor([P * max(1, pages_per_seq - i) for i in range(bsz)], dtype=torch.int32)
+    q = rnd(bsz, hq, D).half()
+    res_k = torch.zeros(bsz, hkv, 1, D, dtype=torch.float16)
+    res_v = torch.zeros(bsz, hkv, 1, D, dtype=torch.float16)
+    res_len = torch.zeros(bsz, dtype=torch.int32)
+    t = dict(q=q, block_table=block_table, lengths=lengths, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero,
+             v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, res_k=res_k, res_v=res_v, res_lengths=res_len)
+    return {k: v.to(device) for k, v in t.items()}
+
+
+def ref_out(c, sm_scale):
+    args = [c[k] for k in ("q", "block_table", "lengths", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
+                           "v_zero", "res_k", "res_v", "res_lengths")]
+    f32 = [a.float() if a.is_floating_point() else a for a in args]
+    return reference.paged_decode_attention(*f32, BITS, BITS, G, sm_scale).float()
+
+
+# ---------------------------------------------------------------------------------------------- index maps (kernel)
+def key_token(n):
+    """S column / S^T row n -> token of the step (pi)."""
+    return 8 * (2 * ((n // 2) % 4) + n // 32) + 4 * ((n // 16) % 2) + 2 * ((n // 8) % 2) + n % 2
+
+
+def key_slot_channel(k):
+    """K^T (K) slot k -> channel (q's columns are permuted by it)."""
+    return (k // 64) * 64 + ((k // 2) % 4) * 16 + ((k // 16) % 4) * 4 + (k // 8) % 2 + 2 * (k % 2)
+
+
+def unpack_pairs(words, s, zf):
+    """The kernel's unpack: int32 words [...] -> dict (x, p) -> (lo, hi) fp16 values, v = 16 + code (bits 6..9 of
+    the half after the shift), v * s + zf with one rounding (fp32 math then fp16). s, zf: dict (x, p) -> (lo, hi)."""
+    out = {}
+    for x in (0, 1):
+        for p in (0, 1):
+            lo = (words >> (8 * x + 4 * p)) & 15
+            hi = (words >> (16 + 8 * x + 4 * p)) & 15
+            sl, sh = s[(x, p)]
+            zl, zh = zf[(x, p)]
+            out[(x, p)] = (((16 + lo).float() * sl.float() + zl.float()).half(),
+                           ((16 + hi).float() * sh.float() + zh.float()).half())
+    return out
+
+
+def fold(s, z):
+    return (z.float() - 16 * s.float()).half()  # fma(s, -16, z) rounded once
+
+
+def emulate(c, sm_scale, ns, vfold=False):
+    """The kernel's arithmetic per (b, h, split) with its index maps, in torch (CPU); returns [B, Hq, D].
+    ``vfold``: GD_VFOLD=1 (value scales on P^T, raw 16 + c value codes, zero points through a bias product)."""
+    q, bt, lengths = c["q"], c["block_table"], c["lengths"]
+    kw = c["k_codes"].view(torch.int32)  # [NP, H, P, 16]
+    vw = c["v_codes"].view(torch.int32)  # [NP, H, D, 8]
+    bsz, hq, _ = q.shape
+    hkv = kw.shape[1]
+    qk = sm_scale * LOG2E
+    out = torch.zeros(bsz, hq, D)
+    n = torch.arange(64)
+    tok = key_token(n)
+    ks = torch.arange(D)
+    chk = key_slot_channel(ks)
+    # V slot k = e + 2c + 8x + 16p + 32u -> token 8(2c + u) + 4p + 2x + e (= key_token(k)); word 2c + u
+    for b in range(bsz):
+        for h in range(hkv):
+            qrows = q[b, h * GROUP:(h + 1) * GROUP].half()  # [4, D]
+            qperm = qrows[:, chk]  # [4, 128 slots]
+            ms, ls, os_ = [], [], []
+            npg = -(-int(lengths[b]) // P)
+            pps = -(-npg // ns)
+            for sp in range(ns):
+                t0 = sp * pps * P
+                t1 = min(t0 + pps * P, int(lengths[b]))
+                m = torch.full((GROUP,), -math.inf)
+                l_ = torch.zeros(GROUP)
+                o = torch.zeros(GROUP, D)
+                bias = torch.zeros(GROUP, D // G)
+                for start in range(t0, t0 + max(t1 - t0, 0) // P * P, P):
+                    page = int(bt[b, start // P])
+                    # keys: K^T [128 slots, 64 columns]; column n reads token row key_token(n), lane c words 4c..4c+3
+                    kt = torch.empty(D, 64, dtype=torch.float16)
+                    for col in range(64):
+                        t = int(tok[col])
+                        g = t // G
+                        sc = c["k_scale"][page, h, g]
+                        zc = c["k_zero"][page, h, g]
+                        words = kw[page, h, t]  # [16]
+                        for w in range(16):
+                            cc, wt = w // 4, w % 4
+                            s_, z_ = {}, {}
+                            for x in (0, 1):
+                                for p in (0, 1):
+                                    ch0 = 64 * p + 4 * w + x
+                                    s_[(x, p)] = (sc[ch0], sc[ch0 + 2])
+                                    z_[(x, p)] = (fold(sc[ch0], zc[ch0]), fold(sc[ch0 + 2], zc[ch0 + 2]))
+                            pr = unpack_pairs(words[w], s_, z_)
+                            for x in (0, 1):
+                                for p in (0, 1):
+                                    for e in (0, 1):
+                                        slot = e + 2 * cc + 8 * x + 16 * wt + 64 * p
+                                        kt[slot, col] = pr[(x, p)][e]
+                    s = qperm.float() @ kt.float()  # [4, 64] (fp32 accumulation of fp16 products)
+                    m_new = torch.maximum(m, s.max(1).values * qk)
+                    alpha = torch.exp2(m - m_new)
+                    pm = torch.exp2(s * qk - m_new[:, None])
+                    l_ = l_ * alpha + pm.sum(1)
+                    m = m_new
+                    p16 = pm.half()  # P [4, 64 slots], slot k = column k (token key_token(k))
+                    # values: V [64 slots, 128 channels]
+                    v = torch.empty(64, D, dtype=torch.float16)
+                    for ch in range(D):
+                        gi = ch // G
+                        sv = c["v_scale"][page, h, gi]
+                        zv = c["v_zero"][page, h, gi]
+                        for cc in range(4):
+                            for u in range(2):
+                                w = 2 * cc + u
+                                s_, z_ = {}, {}
+                                for x in (0, 1):
+                                    for p in (0, 1):
+                                        t = 8 * w + 4 * p + 2 * x
+                                        s_[(x, p)] = (sv[t], sv[t + 1])
+                                        z_[(x, p)] = (fold(sv[t], zv[t]), fold(sv[t + 1], zv[t + 1]))
+                                pr = unpack_pairs(vw[page, h, ch, w], s_, z_)
+                                for x in (0, 1):
+                                    for p in (0, 1):
+                                        for e in (0, 1):
+                                            slot = e + 2 * cc + 8 * x + 16 * p + 32 * u
+                                            v[slot, ch] = pr[(x, p)][e]
+                    if vfold:
+                        ks_ = torch.arange(64)
+                        tk = key_token(ks_)  # slot -> token
+                        vraw = torch.empty(64, D)
+                        for ch in range(D):
+                            for cc in range(4):
+                                for u in range(2):
+                                    w = int(vw[page, h, ch, 2 * cc + u])
+                                    for x in (0, 1):
+                                        for p in (0, 1):
+                                            for e in (0, 1):
+                                                code = (w >> (16 * e + 8 * x + 4 * p)) & 15
+                                                vraw[e + 2 * cc + 8 * x + 16 * p + 32 * u, ch] = 16 + code
+                        sv = c["v_scale"][page, h][:, tk]  # [groups, 64 slots]
+                        zf = fold(c["v_scale"][page, h][:, tk], c["v_zero"][page, h][:, tk])
+                        pv = torch.empty(GROUP, D)
+                        for gi in range(D // G):
+                            pg = (p16.float() * sv[gi].float()[None, :]).half()  # mul.rn.f16x2
+                            pv[:, gi * G:(gi + 1) * G] = pg.float() @ vraw[:, gi * G:(gi + 1) * G]
+                        o = o * alpha[:, None] + pv
+                        bias = bias * alpha[:, None] + p16.float() @ zf.float().T
+                    else:
+                        o = o * alpha[:, None] + p16.float() @ v.float()
+                if vfold:
+                    o = o + bias.repeat_interleave(G, dim=1)
+                ms.append(m)
+                ls.append(l_)
+                os_.append(o)
+            mm = torch.stack(ms)  # [ns, 4]
+            top = mm.max(0).values
+            wgt = torch.exp2(mm - top)
+            wgt = torch.where(torch.isnan(wgt), torch.zeros_like(wgt), wgt)
+            num = (wgt[:, :, None] * torch.stack(os_)).sum(0)
+            den = (wgt * torch.stack(ls)).sum(0)
+            out[b, h * GROUP:(h + 1) * GROUP] = num / den[:, None]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- GPU launch
+def gluon_decode(c, sm_scale, ns, transposed):
+    import gluon_decode as gd
+    q, bt, lengths = c["q"], c["block_table"], c["lengths"]
+    kw = c["k_codes"].view(torch.int32)
+    vw = c["v_codes"].view(torch.int32)
+    ks, kz, vs, vz = c["k_scale"], c["k_zero"], c["v_scale"], c["v_zero"]
+    bsz, hq, _ = q.shape
+    hkv = kw.shape[1]
+    m_ws = torch.empty(bsz * hq, ns, device=q.device, dtype=torch.float32)
+    l_ws = torch.empty_like(m_ws)
+    o_ws = torch.empty(bsz * hq, ns, D, device=q.device, dtype=torch.float32)
+    fn = gd.gluon_decode_t_kernel if transposed else gd.gluon_decode_kernel
+    extra = {"maxnreg": int(os.environ["R"])} if os.environ.get("R") else {}  # env R: register cap (as sass_gluon)
+
+    def launch():
+        fn[(bsz * hkv, ns)](q, bt, lengths, kw, ks, kz, vw, vs, vz, m_ws, l_ws, o_ws, sm_scale * LOG2E, hkv, ns,
+                            q.stride(0), q.stride(1), bt.stride(0), kw.stride(0), kw.stride(1), ks.stride(0),
+                            ks.stride(1), vw.stride(0), vw.stride(1), vs.stride(0), vs.stride(1),
+                            GROUP=GROUP, VALUES=1, num_warps=1, **extra)
+
+    def merge():
+        top = m_ws.max(1, keepdim=True).values
+        wgt = torch.exp2(m_ws - top).nan_to_num(0.0)
+        return ((wgt[:, :, None] * o_ws).sum(1) / (wgt * l_ws).sum(1)[:, None]).reshape(bsz, hq, D)
+
+    return launch, merge
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--emulate", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--all", action="store_true", help="re-run (check, and --bench) under every variant's env")
+    a = ap.parse_args()
+    if a.all:
+        import subprocess
+        for env in VARIANTS:
+            print(f"=== {env or 'defaults'}", flush=True)
+            r = subprocess.run([sys.executable, __file__] + (["--bench"] if a.bench else []), env={**os.environ, **env})
+            print(f"=== {env or 'defaults'}: rc {r.returncode}", flush=True)
+        return
+    sm_scale = 1 / math.sqrt(D)
+    if a.emulate:
+        c = make_case(bsz=2, hkv=2, pages_per_seq=3)
+        ref = ref_out(c, sm_scale)
+        for ns, vf in ((1, False), (2, False), (2, True)):
+            emu = emulate(c, sm_scale, ns, vf)
+            err = (emu - ref).abs().max().item()
+            print(f"emulation NS={ns} VFOLD={int(vf)}: max |emu - ref| = {err:.3e} "
+                  f"(ref max {ref.abs().max().item():.3f})")
+            assert err < 2e-2, err
+        print("emulation OK: index maps and unpack arithmetic match kivi_cache.reference")
+        return
+    from kivi_cache.kernels import paged_decode_attention
+    dev = "cuda"
+    cases = [(2, 3, 1, None), (4, 8, 2, None), (3, 16, 4, None),
+             # partial last steps (transposed kernel only): a multiple of G (as the cache flushes), and any length
+             (3, 8, 2, [8 * P - 32, 5 * P + 32, 32]), (2, 8, 3, [7 * P - 17, 3 * P + 1])]
+    for bsz, pps, ns, lens in cases:
+        lens = None if lens is None else torch.tensor(lens, dtype=torch.int32)
+        c = make_case(bsz=bsz, pages_per_seq=pps, device=dev, lengths=lens)
+        ref = ref_out(c, sm_scale)
+        args = [c[k] for k in ("q", "block_table", "lengths", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
+                               "v_zero", "res_k", "res_v", "res_lengths")]
+        base = paged_decode_attention(*args, BITS, BITS, G, sm_scale, num_splits=ns).float()
+        line = f"B={bsz} pages={pps} NS={ns}: existing kernel err {(base - ref).abs().max().item():.2e}"
+        for tr in ((False, True) if lens is None else (True,)):
+            launch, merge = gluon_decode(c, sm_scale, ns, tr)
+            launch()
+            out = merge()
+            err = (out - ref).abs().max().item()
+            line += f"; gluon{'-T' if tr else ''} err {err:.2e}"
+            assert err < 2e-2, (tr, err)
+        print(line)
+    print("GPU check OK")
+    if a.bench:
+        from triton.testing import do_bench
+        for bsz, pps in ((8, 64), (32, 64), (64, 32), (16, 256)):
+            c = make_case(bsz=bsz, pages_per_seq=pps, device=dev,
+                          lengths=torch.full((bsz,), pps * P, dtype=torch.int32))
+            args = [c[k] for k in ("q", "block_table", "lengths", "k_codes", "k_scale", "k_zero", "v_codes",
+                                   "v_scale", "v_zero", "res_k", "res_v", "res_lengths")]
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            ns = max(1, min(pps, (4 * sms) // (bsz * 8)))
+            t_base = do_bench(lambda: paged_decode_attention(*args, BITS, BITS, G, sm_scale, num_splits=ns))
+            res = f"B={bsz} ctx={pps * P} NS={ns}: existing op {t_base * 1e3:.1f} us"
+            for tr in (False, True):
+                launch, merge = gluon_decode(c, sm_scale, ns, tr)
+                t = do_bench(launch)
+                res += f"; gluon{'-T' if tr else ''} split kernel {t * 1e3:.1f} us"
+            print(res, "(gluon: split kernel only; the merge is in torch and not timed)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Compile the Gluon decode spike for sm_90 on a CPU and count the SASS of its paged loop.
+
+    PYTHONPATH=/tmp/t36site python eval/gluon/sass_gluon.py [VALUES=1] [DUMP=prefix]
+(Triton 3.6 from /tmp/t36site; nvdisasm/cuobjdump from Triton's wheel; loop finding as eval/sass_decode.py)
+"""
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gluon_decode  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32", "ks_ptr": "*fp16",
+        "kz_ptr": "*fp16", "vw_ptr": "*i32", "vs_ptr": "*fp16", "vz_ptr": "*fp16", "m_ws": "*fp32", "l_ws": "*fp32",
+        "o_ws": "*fp32"}
+
+
+def compile_kernel(fn, const, maxnreg=None):
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in PTRS:
+            sig[n] = PTRS[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in const:
+            sig[n] = "constexpr"
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("s_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = dict(num_warps=1)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def disassemble(kernel):
+    with tempfile.TemporaryDirectory() as tmp:
+        cub = os.path.join(tmp, "k.cubin")
+        open(cub, "wb").write(kernel.asm["cubin"])
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cub], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cub], capture_output=True, text=True).stdout
+    return res, sass
+
+
+def loops(sass):
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.L_x_(\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(2).strip())
+    for i, t in enumerate(ins):
+        lab = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", t)
+        if lab and labels.get(lab.group(1), 1 << 30) < i:
+            body = ins[labels[lab.group(1)]:i + 1]
+            yield len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body), body
+
+
+def main(argv):
+    const = dict(GROUP=4, VALUES=1)
+    const.update({k: int(v) for k, v in (a.split("=") for a in argv if a.split("=")[0] in ("GROUP", "VALUES"))})
+    fn = gluon_decode.gluon_decode_t_kernel if os.environ.get("GD_T", "0") == "1" else gluon_decode.gluon_decode_kernel
+    k = compile_kernel(fn, const, int(os.environ.get("R", 0)) or None)
+    res, sass = disassemble(k)
+    if os.environ.get("DUMP"):
+        for ext, key in (("sass", None), ("ptx", "ptx"), ("ttgir", "ttgir"), ("llir", "llir")):
+            with open(f"{os.environ['DUMP']}.{ext}", "w") as f:
+                f.write(sass if key is None else k.asm[key])
+    reg = int(re.search(r"REG:(\d+)", res).group(1))
+    print(const, " ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)), "shared(meta)", k.metadata.shared)
+    codes = 64 * 128 * (2 if const["VALUES"] else 1) // 32
+    found = list(loops(sass))
+    for n, c, _ in found:
+        spills = sum(v for kk, v in c.items() if kk.startswith(("STL", "LDL")))
+        print(f"loop: {n} instructions, {spills} spill instructions; top: "
+              + ", ".join(f"{a} {b}" for a, b in c.most_common(16)))
+    # the paged loop = the first loop with MMAs (the transposed kernel's masked last step follows it as a second,
+    # one-trip loop; the FA2 kernel has none)
+    n, c, body = next(f for f in found if any(k.startswith("HMMA") for k in f[1]))
+    mem = {o: sum(v for kk, v in c.items() if kk.startswith(o)) for o in ("LDG", "STS", "LDS", "LDSM", "STL", "LDL",
+                                                                          "HMMA", "SHFL", "LOP3", "SHF", "HFMA2",
+                                                                          "PRMT", "MUFU", "BAR")}
+    total_spills = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))
+    out = dict(instructions=n, spills_total=total_spills, codes_per_lane=codes, per_code=round(n / codes, 3), reg=reg, shared=k.metadata.shared,
+               **mem)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
