@@ -298,7 +298,8 @@ def main():
                                    "v_scale", "v_zero", "res_k", "res_v", "res_lengths")]
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             ns = max(1, min(pps, (4 * sms) // (bsz * 8)))
-            t_base = do_bench(lambda: paged_decode_attention(*args, BITS, BITS, G, sm_scale, num_splits=ns))
+            t_base = do_bench(lambda args=args, ns=ns: paged_decode_attention(*args, BITS, BITS, G, sm_scale,
+                                                                              num_splits=ns))
             res = f"B={bsz} ctx={pps * P} NS={ns}: existing op {t_base * 1e3:.1f} us"
             for tr in (False, True):
                 launch, merge = gluon_decode(c, sm_scale, ns, tr)

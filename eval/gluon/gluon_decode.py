@@ -26,7 +26,6 @@ it needs, and each word unpacks with its ODD pairs (bytes q, q + 2 in the two ha
 
 import os
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -40,7 +39,8 @@ LV = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [1, 1, 1, 1], [3,
 LV8 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))  # value scale runs
 LK32 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))  # key scale runs
 VEC = gl.constexpr(int(os.environ.get("GD_VEC", 1)))
-PF = gl.constexpr(int(os.environ.get("GD_PF", 0)))  # 1: prefetch the next page index, 2: and its key words  # vectorized scale loads
+# VEC: vectorized scale loads. PF: 1 prefetches the next page index, 2 also its key words
+PF = gl.constexpr(int(os.environ.get("GD_PF", 0)))
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # q load (outside the loop)
 
 
@@ -142,9 +142,12 @@ def _value_tile(vw, s00, z00, s10, z10, s01, z01, s11, z11):
 
 
 TRIVIAL = gl.constexpr(True)
-PAD = gl.constexpr(int(os.environ.get("GD_PAD", 1)))  # drop the MMA's padding rows 8..15 from the softmax and the rescale
-PADQ = gl.constexpr(int(os.environ.get("GD_PADQ", 0)))  # q's padding rows as constant zeros (ptxas then copies operand quads: more MOVs)
-PADP = gl.constexpr(int(os.environ.get("GD_PADP", 1)))  # P's padding rows: 0 constant zeros, 1 a copy of rows 0..7 (no zero registers to build)
+# PAD: drop the MMA's padding rows 8..15 from the softmax and the rescale
+PAD = gl.constexpr(int(os.environ.get("GD_PAD", 1)))
+# PADQ: q's padding rows as constant zeros (ptxas then copies operand quads: more MOVs)
+PADQ = gl.constexpr(int(os.environ.get("GD_PADQ", 0)))
+# PADP: P's padding rows: 0 constant zeros, 1 a copy of rows 0..7 (no zero registers to build)
+PADP = gl.constexpr(int(os.environ.get("GD_PADP", 1)))
 
 
 @gluon.jit
@@ -454,7 +457,8 @@ def _pt_operand(p):
 
 
 VFOLD = gl.constexpr(int(os.environ.get("GD_VFOLD", 0)))
-VEARLY = gl.constexpr(int(os.environ.get("GD_VEARLY", 0)))  # transposed: value words loaded before the key half  # value scales folded into P^T (raw 16 + c codes)
+# VFOLD: value scales folded into P^T (raw 16 + c codes); VEARLY (transposed): value words loaded before the key half
+VEARLY = gl.constexpr(int(os.environ.get("GD_VEARLY", 0)))
 _UNPACK_RAW = gl.constexpr("""{
 .reg .b32 t<4>, r<4>;
 shl.b32 t0, $8, 6;

@@ -96,7 +96,8 @@ def main(argv):
                                                                           "HMMA", "SHFL", "LOP3", "SHF", "HFMA2",
                                                                           "PRMT", "MUFU", "BAR")}
     total_spills = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))
-    out = dict(instructions=n, spills_total=total_spills, codes_per_lane=codes, per_code=round(n / codes, 3), reg=reg, shared=k.metadata.shared,
+    out = dict(instructions=n, spills_total=total_spills, codes_per_lane=codes, per_code=round(n / codes, 3), reg=reg,
+               shared=k.metadata.shared,
                **mem)
     print(json.dumps(out))
 
