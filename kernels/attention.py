@@ -59,6 +59,7 @@ from . import _util
 from ._util import (
     Launcher,
     block_tokens,
+    check_pool_strides,
     check_settings,
     env_reader,
     interpreting,
@@ -1055,6 +1056,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
         _util.checks().check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
                                        group_size, values=False)
+        check_pool_strides(pool)
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                            value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None,
                            sliding_window, sink_logits is not None)
@@ -1265,6 +1267,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
                         res_lengths, key_bits, value_bits, group_size)
     chk.check_prefix_chunk(q, new_k, new_v, new_mask)
+    check_pool_strides((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
     bsz, hq, ql, d = q.shape
     _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
     _, hkv, p, _ = k_codes.shape

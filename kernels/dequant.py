@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _util
-from ._util import block_tokens, check_settings, interpreting
+from ._util import block_tokens, check_pool_strides, check_settings, interpreting
 
 
 @triton.jit
@@ -117,6 +117,7 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     np_, h, p, d = chk.check_pool(pool, key_bits, value_bits, group_size)
     b = chk.check_tables(block_table, lengths, np_, p)
     check_settings(d, key_bits, value_bits, group_size, p)
+    check_pool_strides(pool)
     t = int(lengths.max()) if (max_len is None and b > 0) else (max_len or 0)
     if out is None:
         k_out = torch.empty(b, h, t, d, dtype=k_scale.dtype, device=k_scale.device)

@@ -116,3 +116,47 @@ def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
                                        group_size=G, sm_scale=0.125)
     finally:
         ops.set_backend("auto")
+
+
+def zero_points_strided_apart(pl, which):
+    """``pl`` with its key (``which=2``) or value (``which=5``) zero points a view of a tensor of two heads: the same
+    values and shape as before, other strides than their scales'."""
+    pl = list(pl)
+    pl[which] = torch.cat([pl[which], torch.zeros_like(pl[which])], dim=1)[:, :1]
+    return pl
+
+
+@pytest.mark.parametrize("which", [2, 5], ids=["k_zero", "v_zero"])
+def test_kernels_reject_zero_points_strided_unlike_their_scales(which):
+    """The kernels index each zero-point tensor with its scales' strides: before, a k_zero/v_zero view strided
+    otherwise gave a silent wrong answer (decode, dequantize) or was written in the wrong places (quantize_and_write;
+    the same with the scales the wider one: heap corruption)."""
+    name = ("k_zero", "v_zero")[which == 5]
+    pl = zero_points_strided_apart(pool(4), which)
+    a = decode_args(pool=pl)
+    with pytest.raises(ValueError, match=f"{name} must have .*strides"):
+        K.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"],
+                                 a["res_lengths"], 4, 4, G, 0.125)
+    with pytest.raises(ValueError, match=f"{name} must have .*strides"):
+        K.dequantize_pages(a["block_table"], a["lengths"], *pl, 4, 4, G)
+    before = [t.clone() for t in pl]
+    kv = torch.randn(1, 1, G, D).to(DT)
+    with pytest.raises(ValueError, match=f"{name} must have .*strides"):
+        K.quantize_and_write(kv, kv, ints(0), ints(0), *pl, 4, 4, G)
+    assert unchanged(before, pl)
+
+
+@pytest.mark.parametrize("which", range(6), ids=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"])
+def test_kernels_reject_a_pool_tensor_without_a_contiguous_last_dim(which):
+    """Every kernel reads the pool's rows as contiguous: a tensor that is not raises a ValueError naming it (before,
+    dequantize_pages gave a silent wrong answer and decode a RuntimeError of ``view`` or an unnamed message)."""
+    name = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")[which]
+    pl = pool(4)
+    pl[which] = pl[which].transpose(2, 3).contiguous().transpose(2, 3)
+    a = decode_args(pool=pl)
+    with pytest.raises(ValueError, match=f"{name} must have a contiguous last dimension"):
+        K.dequantize_pages(a["block_table"], a["lengths"], *pl, 4, 4, G)
+    with pytest.raises(ValueError, match=f"{name} must have a contiguous last dimension"):
+        K.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"],
+                                 a["res_lengths"], 4, 4, G, 0.125)
+
