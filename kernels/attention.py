@@ -904,15 +904,10 @@ class _DecodePlan:
 
 
 def _check_new_token(new_k, new_v, q, res_k, res_v):
-    """``new_k``/``new_v`` as ``[B, Hkv, D]`` views with a contiguous last dim; checked against q and the window."""
-    if new_v is None:
-        raise ValueError("new_k and new_v must be given together")
+    """``new_k``/``new_v`` as ``[B, Hkv, D]`` views with a contiguous last dim (checked by
+    :func:`kivi_cache.checks.check_new_token`); the window they are written into checked."""
     if new_k.dim() == 4:
         new_k, new_v = new_k.select(2, 0), new_v.select(2, 0)
-    want = (q.shape[0], res_k.shape[1], q.shape[2])
-    if tuple(new_k.shape) != want or tuple(new_v.shape) != want:
-        raise ValueError(f"new_k/new_v must be [B, Hkv, D] = {list(want)} (or [B, Hkv, 1, D]); got "
-                         f"{list(new_k.shape)} and {list(new_v.shape)}")
     if res_k.stride(-1) != 1 or res_v.stride(-1) != 1:
         raise ValueError("with new_k/new_v the window (res_k/res_v) is written in place: its last dim must be "
                          "contiguous")
@@ -1031,7 +1026,10 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             sink_logits = sink_logits.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if new_k is not None:
+    token = (new_k, new_v)  # checked after the plan's checks (kivi_cache.checks.check_new_token)
+    if new_k is not None or new_v is not None:
+        if new_k is None or new_v is None:
+            _util.checks().check_new_token(new_k, new_v, q, k_codes)  # raises: one without the other
         new_k, new_v = _check_new_token(new_k, new_v, q, res_k, res_v)
     if res_k.stride(-1) != 1:
         res_k = res_k.contiguous()
@@ -1066,6 +1064,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             _PLANS[key] = plan
     if not q.is_cuda or _util.CHECK_INDICES:
         _util.checks().attention_values(block_table, lengths, k_codes, res_k, res_lengths)
+    if token[0] is not None or token[1] is not None:
+        _util.checks().check_new_token(*token, q, k_codes)
     if bsz == 0 or hq == 0:
         return out
     ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
@@ -1143,7 +1143,8 @@ class DecodeRunner:
     def _launch(self, r: _Ready, q, rl, sm_scale, new_k, new_v, sink=None):
         """The direct launch, or None where the first run's kernels and arguments do not apply."""
         if (q.shape != r.qshape or q.stride() != r.qstride or q.dtype != r.dtype or sm_scale != r.scale
-                or rl.dtype != r.rl_dtype or rl.stride(-1) != 1 or (new_k is None) != (r.new is None)):
+                or rl.dtype != r.rl_dtype or rl.stride(-1) != 1 or (new_k is None) != (r.new is None)
+                or (new_v is None) != (r.new is None)):
             return None
         if (sink is None) != (r.sink is None) or (sink is not None and (
                 sink.dtype != r.sink[0] or sink.shape != r.sink[1] or sink.stride(-1) != 1

@@ -182,6 +182,24 @@ def check_sink_logits(sink_logits, q) -> None:
     check_device(q.device, sink_logits=sink_logits)
 
 
+def check_new_token(new_k, new_v, q, k_codes) -> None:
+    """paged_decode_attention's step token: neither, or both of new_k, new_v ``[B, Hkv, D]`` (or ``[B, Hkv, 1, D]``)
+    floats on the pool's device (``k_codes``: ``[NP, Hkv, P, D * bits // 8]``)."""
+    if new_k is None and new_v is None:
+        return
+    if new_k is None or new_v is None:
+        raise ValueError(f"new_k and new_v must be given together (the step's token), got "
+                         f"{'new_k' if new_v is None else 'new_v'} only")
+    want = (q.shape[0], k_codes.shape[1], q.shape[-1])
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (new_k, new_v)]
+    if shapes[0] not in (want, (*want[:2], 1, want[2])) or shapes[1] != shapes[0]:
+        raise ValueError(f"new_k/new_v must be [B={want[0]}, Hkv={want[1]}, D={want[2]}] (or both [B, Hkv, 1, D]); "
+                         f"got {shapes[0]} and {shapes[1]}")
+    check_dtype("new_k", new_k, FLOATS)
+    check_dtype("new_v", new_v, FLOATS)
+    check_device(k_codes.device, new_k=new_k, new_v=new_v)
+
+
 def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
     """The by-value part of :func:`check_attention` (where :func:`values_checked`)."""
     table_values(block_table, lengths, k_codes.shape[0], k_codes.shape[2])

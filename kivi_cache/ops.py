@@ -127,7 +127,7 @@ def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_len
     attention over the last ``sliding_window`` stored tokens only; ``sink_logits`` (``[Hq]``): learned attention
     sinks, one more softmax logit per query head on no value (GPT-OSS; see
     :func:`kivi_cache.reference.paged_decode_attention`)."""
-    extra = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
+    extra = {} if new_k is None and new_v is None else dict(new_k=new_k, new_v=new_v)
     if sliding_window is not None:
         extra["sliding_window"] = sliding_window
     if sink_logits is not None:
@@ -175,7 +175,7 @@ class DecodeRunner:
                 if _backend == "triton":
                     raise
                 self.kernel = None
-        new = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
+        new = {} if new_k is None and new_v is None else dict(new_k=new_k, new_v=new_v)
         return paged_decode_attention(q, self.block_table, self.lengths, *self.pool, res_k=self.res_k,
                                       res_v=self.res_v, res_lengths=res_lengths, sm_scale=sm_scale,
                                       sliding_window=self.sliding_window, sink_logits=sink_logits, **self.bits,

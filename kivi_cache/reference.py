@@ -245,6 +245,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     checks.check_sink_logits(sink_logits, q)
+    checks.check_new_token(new_k, new_v, q, k_codes)
     if new_k is not None:
         if new_k.dim() == 4:
             new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]

@@ -160,3 +160,47 @@ def test_kernels_reject_a_pool_tensor_without_a_contiguous_last_dim(which):
         K.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"],
                                  a["res_lengths"], 4, 4, G, 0.125)
 
+
+NEW_TOKEN_CASES = {  # name: (new_k, new_v) -> the error
+    "new_v_missing": (lambda n: (n, None), "new_k and new_v must be given together"),
+    "new_k_missing": (lambda n: (None, n), "new_k and new_v must be given together"),
+    "int_dtype": (lambda n: (n.int(), n.int()), "new_k must have dtype"),
+    "new_v_dtype": (lambda n: (n, n.to(torch.float64)), "new_v must have dtype"),
+    "head_dim": (lambda n: (n[..., :32], n[..., :32]), "new_k/new_v must be \\[B=2, Hkv=1, D=64\\]"),
+    "device": (lambda n: (n.to("meta"), n.to("meta")), "new_k is on meta"),
+    "mixed_dims": (lambda n: (n[:, :, None], n), "new_k/new_v must be"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(NEW_TOKEN_CASES))
+def test_decode_rejects_a_bad_step_token_before_writing(mod, case):
+    """paged_decode_attention's new_k/new_v (the step's token, written into the window): checked like the other
+    arguments. Before, the reference wrote res_k and then failed on a missing new_v (TypeError), took any dtype or
+    device, and failed on a shape with torch's message; the kernels took any dtype and failed on another device with
+    NotImplementedError."""
+    make, match = NEW_TOKEN_CASES[case]
+    a = decode_args()
+    new_k, new_v = make(torch.randn(2, 1, D).to(DT))
+    before = [a["res_k"].clone(), a["res_v"].clone()]
+    with pytest.raises(ValueError, match=match):
+        mod.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"],
+                                   a["res_lengths"], 4, 4, G, 0.125, new_k=new_k, new_v=new_v)
+    assert unchanged(before, [a["res_k"], a["res_v"]]), "the window was written before the error"
+
+
+def test_ops_pass_a_lone_new_v_on():
+    """kivi_cache.ops (op and DecodeRunner): new_v without new_k reaches the checks (before, it was dropped: the
+    step's value never written, no error)."""
+    from kivi_cache import ops
+
+    a = decode_args()
+    new = torch.randn(2, 1, D).to(DT)
+    kw = dict(res_k=a["res_k"], res_v=a["res_v"], key_bits=4, value_bits=4, group_size=G)
+    with pytest.raises(ValueError, match="new_k and new_v must be given together"):
+        ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_lengths=a["res_lengths"],
+                                   sm_scale=0.125, new_v=new, **kw)
+    run = ops.DecodeRunner(a["block_table"], a["lengths"], *a["pool"], **kw)
+    with pytest.raises(ValueError, match="new_k and new_v must be given together"):
+        run(a["q"], a["res_lengths"], 0.125, new_v=new)
+
