@@ -918,7 +918,10 @@ def _check_new_token(new_k, new_v, q, res_k, res_v):
 def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
               out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v,
               sliding_window=None, sink_logits=None):
-    return (out.stride(), q.device, q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
+    # every tensor's device (each checked on a new key only; new_k/new_v, sink_logits and out on every call)
+    return (out.stride(), q.device, block_table.device, lengths.device, res_lengths.device, k_codes.device,
+            k_scale.device, k_zero.device, v_codes.device, v_scale.device, v_zero.device, res_k.device, res_v.device,
+            q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
             block_table.dtype, lengths.shape, lengths.dtype, res_lengths.shape, res_lengths.dtype, k_codes.shape,
             k_codes.stride(), k_codes.dtype, k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.shape,
             k_zero.stride(), k_zero.dtype, v_codes.shape, v_codes.stride(), v_scale.shape, v_scale.stride(),
@@ -1044,8 +1047,9 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     bsz, hq, d = q.shape
     if out is None:
         out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must be [B, Hq, D] in q's dtype with a contiguous last dimension")
+    elif tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be [B, Hq, D] in q's dtype on q's device with a contiguous last dimension, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}, strides {tuple(out.stride())}")
     key = _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
                     res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain, new_k,
                     new_v, sliding_window, sink_logits)

@@ -95,15 +95,17 @@ def check_write(k, v, pages, slots, pool, key_bits: int, value_bits: int, group_
                              f"{slots.tolist()}")
 
 
-def check_tables(block_table, lengths, np_: int, p: int, values: bool = True) -> int:
-    """block_table ``[B, W]`` and lengths ``[B]`` integers; by value (``values`` and :func:`values_checked`): ``0 <=
-    lengths[b] <= W * P`` and the pages of a sequence's tokens (its first ``ceil(lengths[b] / P)`` entries) in
-    ``[0, NP)``. Returns B."""
+def check_tables(block_table, lengths, np_: int, p: int, values: bool = True, device=None) -> int:
+    """block_table ``[B, W]`` and lengths ``[B]`` integers (on ``device``, the pool's, where given); by value
+    (``values`` and :func:`values_checked`): ``0 <= lengths[b] <= W * P`` and the pages of a sequence's tokens (its
+    first ``ceil(lengths[b] / P)`` entries) in ``[0, NP)``. Returns B."""
     bsz, width = shape_of("block_table", block_table, 2)
     check_dtype("block_table", block_table, INTS)
     if shape_of("lengths", lengths, 1) != (bsz,):
         raise ValueError(f"lengths must be [B={bsz}] (one per block-table row), got {list(lengths.shape)}")
     check_dtype("lengths", lengths, INTS)
+    if device is not None:
+        check_device(device, block_table=block_table, lengths=lengths)
     if values:
         table_values(block_table, lengths, np_, p)
     return bsz
@@ -124,9 +126,9 @@ def table_values(block_table, lengths, np_: int, p: int) -> None:
                              f"(-1 only past ceil(lengths / page_size)); got {block_table.tolist()}")
 
 
-def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bool = True) -> None:
+def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bool = True, device=None) -> None:
     """res_k, res_v ``[B, H, C, D]`` floats; res_lengths ``[B]`` integers in ``[0, C]`` (by value, as in
-    :func:`check_tables`)."""
+    :func:`check_tables`); all on ``device`` where given."""
     c = shape_of("res_k", res_k, 4)[2]
     for name, t in (("res_k", res_k), ("res_v", res_v)):
         if tuple(t.shape) != (bsz, h, c, d):
@@ -136,6 +138,8 @@ def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bo
     if shape_of("res_lengths", res_lengths, 1) != (bsz,):
         raise ValueError(f"res_lengths must be [B={bsz}], got {list(res_lengths.shape)}")
     check_dtype("res_lengths", res_lengths, INTS)
+    if device is not None:
+        check_device(device, res_k=res_k, res_v=res_v, res_lengths=res_lengths)
     if values:
         window_values(res_lengths, c)
 
@@ -152,13 +156,12 @@ def check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, ke
     """The decode (q ``[B, Hq, D]``) and prefix (q ``[B, Hq, L, D]``) ops' shared arguments; ``values=False``: shapes,
     dtypes and devices only (:func:`attention_values` then checks the values)."""
     np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
-    bsz = check_tables(block_table, lengths, np_, p, values)
+    bsz = check_tables(block_table, lengths, np_, p, values, pool[0].device)
     if q.dim() not in (3, 4) or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % max(h, 1):
         raise ValueError(f"q must be [B={bsz}, Hq (a multiple of KV heads {h}), (L,) D={d}], got {list(q.shape)}")
     check_dtype("q", q, FLOATS)
-    check_window(bsz, h, d, res_k, res_v, res_lengths, values)
-    check_device(pool[0].device, q=q, block_table=block_table, lengths=lengths, res_k=res_k, res_v=res_v,
-                 res_lengths=res_lengths)
+    check_device(pool[0].device, q=q)
+    check_window(bsz, h, d, res_k, res_v, res_lengths, values, pool[0].device)
 
 
 def check_sliding_window(sliding_window) -> None:
@@ -224,8 +227,8 @@ def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, 
     """append_and_flush's arguments (shapes, dtypes, devices; values as in :func:`check_tables`): the window is
     written at ``res_lengths``, so those must be below its capacity."""
     np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
-    bsz = check_tables(block_table, lengths, np_, p)
-    check_window(bsz, h, d, res_k, res_v, res_lengths)
+    bsz = check_tables(block_table, lengths, np_, p, device=pool[0].device)
+    check_window(bsz, h, d, res_k, res_v, res_lengths, device=pool[0].device)
     for name, t in (("new_k", new_k), ("new_v", new_v)):
         if tuple(t.shape) not in ((bsz, h, d), (bsz, h, 1, d)):
             raise ValueError(f"{name} must be [B={bsz}, H={h}, D={d}] (or [B, H, 1, D]), got {list(t.shape)}")

@@ -126,7 +126,7 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     """
     np_, _, p, _ = checks.check_pool((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits,
                                      group_size)
-    checks.check_tables(block_table, lengths, np_, p)
+    checks.check_tables(block_table, lengths, np_, p, device=k_codes.device)
     b = block_table.shape[0]
     _, h, p, _ = k_codes.shape
     d = k_scale.shape[-1]

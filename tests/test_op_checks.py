@@ -73,6 +73,8 @@ DECODE_CASES = {
     "window_lengths_per_row": (dict(res_lengths=ints(3)), "res_lengths must be \\[B=2\\]"),
     "pool_bits": (dict(pool=pool(4, kb=2, vb=2)), "k_codes must be"),
     "q_device": (dict(q=torch.randn(2, 2, D, device="meta").to(DT)), "q is on meta"),
+    "table_device": (dict(block_table=ints(0, 1, 2, -1).view(2, 2).to("meta")), "block_table is on meta"),
+    "window_device": (dict(res_lengths=ints(3, 5).to("meta")), "res_lengths is on meta"),
 }
 
 
@@ -100,6 +102,8 @@ def test_prefix_and_dequantize_reject_bad_arguments(mod):
                                    a["res_lengths"], new, new, mask, 4, 4, G, 0.125)
     with pytest.raises(ValueError, match="lengths must be in"):
         mod.dequantize_pages(a["block_table"], ints(-32, 0), *a["pool"], 4, 4, G)
+    with pytest.raises(ValueError, match="block_table is on meta"):  # before: NotImplementedError (reading it)
+        mod.dequantize_pages(a["block_table"].to("meta"), a["lengths"], *a["pool"], 4, 4, G)
 
 
 def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
@@ -204,3 +208,28 @@ def test_ops_pass_a_lone_new_v_on():
     with pytest.raises(ValueError, match="new_k and new_v must be given together"):
         run(a["q"], a["res_lengths"], 0.125, new_v=new)
 
+
+@pytest.mark.parametrize("name", ["block_table", "lengths", "res_lengths", "res_k", "k_zero", "out"])
+def test_decode_kernel_checks_devices_also_when_it_reuses_a_plan(name):
+    """The kernels' decode op plans once per key (shapes, strides, dtypes, settings) and checks on a new key only:
+    the key held q's device alone, so after a good call a block table, lengths, window or pool tensor (or ``out``) on
+    another device reached the kernel unchecked (here NotImplementedError; on a GPU a host pointer)."""
+    a = decode_args()
+    args = dict(q=a["q"], block_table=a["block_table"], lengths=a["lengths"], res_k=a["res_k"], res_v=a["res_v"],
+                res_lengths=a["res_lengths"])
+    pl = list(a["pool"])
+
+    def call(**kw):
+        return K.paged_decode_attention(args["q"], args["block_table"], args["lengths"], *pl, args["res_k"],
+                                        args["res_v"], args["res_lengths"], 4, 4, G, 0.125, **kw)
+
+    call(out=torch.empty_like(a["q"]))  # plans
+    kw = {}
+    if name == "out":
+        kw["out"] = torch.empty_like(a["q"], device="meta")
+    elif name == "k_zero":
+        pl[2] = pl[2].to("meta")
+    else:
+        args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} .*meta"):
+        call(**kw)
