@@ -239,7 +239,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     """Triton twin of :func:`kivi_cache.reference.append_and_flush` (same arguments, in place): one launch, grid
     ``(B, H, 2)``; the lengths are read, never written."""
     _util.checks().check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
-                               (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size)
+                               (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
+                               residual_length, sink_length)
     bsz, h, cap, d = res_k.shape
     if bsz == 0:
         return

@@ -223,9 +223,12 @@ def check_prefix_chunk(q, new_k, new_v, new_mask) -> None:
 
 
 def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool, key_bits: int,
-                value_bits: int, group_size: int) -> None:
-    """append_and_flush's arguments (shapes, dtypes, devices; values as in :func:`check_tables`): the window is
-    written at ``res_lengths``, so those must be below its capacity."""
+                value_bits: int, group_size: int, residual_length: int, sink_length: int) -> None:
+    """append_and_flush's arguments (shapes, dtypes, devices; values as in :func:`check_tables`): a window of capacity
+    at least ``sink_length + residual_length + group_size``, written at ``res_lengths``, so those must be below its
+    capacity; ``0 <= sink_lengths <= sink_length``; and for each sequence that flushes this step, the page it writes
+    (``block_table[b, lengths[b] // P]``, the column clamped to the table) a page id, at a slot ``lengths[b] % P``
+    that is a multiple of G."""
     np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
     bsz = check_tables(block_table, lengths, np_, p, device=pool[0].device)
     check_window(bsz, h, d, res_k, res_v, res_lengths, device=pool[0].device)
@@ -238,6 +241,33 @@ def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, 
     check_dtype("sink_lengths", sink_lengths, INTS)
     check_device(pool[0].device, new_k=new_k, new_v=new_v, res_k=res_k, res_v=res_v, res_lengths=res_lengths,
                  sink_lengths=sink_lengths, lengths=lengths, block_table=block_table)
-    if bsz and values_checked(res_lengths) and bool((res_lengths >= res_k.shape[2]).any()):
-        raise ValueError(f"res_lengths must be below the window capacity {res_k.shape[2]} (the step's token is "
+    for name, n in (("residual_length", residual_length), ("sink_length", sink_length)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    cap = res_k.shape[2]
+    if cap < sink_length + residual_length + group_size:
+        raise ValueError(f"res_k/res_v must be [B, H, >= sink_length + residual_length + group_size = "
+                         f"{sink_length + residual_length + group_size}, D]; got {list(res_k.shape)}")
+    if not bsz or not values_checked(res_lengths):
+        return
+    if bool((res_lengths >= cap).any()):
+        raise ValueError(f"res_lengths must be below the window capacity {cap} (the step's token is "
                          f"written there), got {res_lengths.tolist()}")
+    if bool(((sink_lengths < 0) | (sink_lengths > sink_length)).any()):
+        raise ValueError(f"sink_lengths must be in [0, sink_length={sink_length}], got {sink_lengths.tolist()}")
+    s = sink_lengths.long()
+    s = torch.where(s < sink_length, s + 1, s)
+    full = res_lengths.long() + 1 - s >= residual_length + group_size  # the sequences that flush this step
+    if not bool(full.any()):
+        return
+    ln = lengths.long()
+    if bool((full & (ln % group_size != 0)).any()):
+        raise ValueError(f"lengths of the sequences that flush this step must be multiples of group_size={group_size} "
+                         f"(the group goes to slot lengths % page_size), got {lengths[full].tolist()}")
+    col = (ln // p).clamp(max=block_table.shape[1] - 1)
+    page = block_table.long().gather(1, col[:, None])[:, 0]
+    bad = (full & ((page < 0) | (page >= np_))).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"the block_table entry a flush writes (sequence {b}, column {int(col[b])} = lengths // "
+                         f"page_size) must be a page id in [0, {np_}), got {int(page[b])}")

@@ -89,7 +89,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     full``, the sinks as in 2.), with ``full`` as in 3. Checked by :func:`kivi_cache.checks.check_flush`.
     """
     checks.check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
-                       (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size)
+                       (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
+                       residual_length, sink_length)
     if new_k.dim() == 4:
         new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
     bsz = res_k.shape[0]

@@ -233,3 +233,41 @@ def test_decode_kernel_checks_devices_also_when_it_reuses_a_plan(name):
         args[name] = args[name].to("meta")
     with pytest.raises(ValueError, match=f"{name} .*meta"):
         call(**kw)
+
+
+def flush_args(**over):
+    """append_and_flush's arguments: window capacity 42 = sinks 2 + residual 8 + group 32; sequence 0's window is full
+    after this step's token (a flush into page block_table[0, lengths[0] // P] at slot lengths[0] % P)."""
+    cap = 2 + 8 + G
+    a = dict(new=torch.randn(2, 1, D).to(DT), res_k=torch.randn(2, 1, cap, D).to(DT),
+             res_v=torch.randn(2, 1, cap, D).to(DT), res_lengths=ints(cap - 1, 5), sink_lengths=ints(2, 2),
+             lengths=ints(96, 32), block_table=ints(0, 1, -1, 2, -1, -1).view(2, 3), pool=pool(4))
+    a.update(over)
+    return a
+
+
+FLUSH_CASES = {
+    # the flushing sequence's next page entry is -1: before, the kernel wrote at page -1 (heap corruption) and the
+    # reference wrote the window, then raised
+    "page_minus_1": (dict(lengths=ints(128, 32)), "block_table entry .*sequence 0.*column 2.* -1"),
+    # a flush at slot lengths % P = 36, no multiple of G: the kernel wrote the group across the page's end
+    "misaligned": (dict(lengths=ints(100, 32)), "lengths .*flush.* multiples of group_size=32.*\\[100\\]"),
+    # a negative sink count: the flush read and moved window rows before the window's start
+    "negative_sinks": (dict(sink_lengths=ints(-5, 2)), "sink_lengths must be in \\[0, sink_length=2\\]"),
+    # the reference took a window too small for its sinks, residual and group
+    "capacity": (dict(res_k=torch.randn(2, 1, 41, D).to(DT), res_v=torch.randn(2, 1, 41, D).to(DT),
+                      res_lengths=ints(3, 5)), "res_k/res_v must be \\[B, H, >= sink_length \\+ residual_length"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(FLUSH_CASES))
+def test_append_and_flush_checks_where_it_flushes_before_writing(mod, case):
+    over, match = FLUSH_CASES[case]
+    a = flush_args(**over)
+    state = [*a["pool"], a["res_k"], a["res_v"]]
+    before = [t.clone() for t in state]
+    with pytest.raises(ValueError, match=match):
+        mod.append_and_flush(a["new"], a["new"], a["res_k"], a["res_v"], a["res_lengths"], a["sink_lengths"],
+                             a["lengths"], a["block_table"], *a["pool"], 4, 4, G, 8, 2)
+    assert unchanged(before, state), "written before the error"
