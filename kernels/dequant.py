@@ -116,6 +116,7 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     np_, h, p, d = chk.check_pool(pool, key_bits, value_bits, group_size)
     b = chk.check_tables(block_table, lengths, np_, p, device=k_codes.device)
+    chk.check_max_len(max_len)
     check_settings(d, key_bits, value_bits, group_size, p)
     check_pool_strides(pool)
     t = int(lengths.max()) if (max_len is None and b > 0) else (max_len or 0)

@@ -126,6 +126,12 @@ def table_values(block_table, lengths, np_: int, p: int) -> None:
                              f"(-1 only past ceil(lengths / page_size)); got {block_table.tolist()}")
 
 
+def check_max_len(max_len) -> None:
+    """dequantize_pages' ``max_len``: None (the longest sequence's length) or an int >= 0."""
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0):
+        raise ValueError(f"max_len must be None or an int >= 0 (the output's tokens per sequence), got {max_len!r}")
+
+
 def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bool = True, device=None) -> None:
     """res_k, res_v ``[B, H, C, D]`` floats; res_lengths ``[B]`` integers in ``[0, C]`` (by value, as in
     :func:`check_tables`); all on ``device`` where given."""

@@ -128,14 +128,15 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     np_, _, p, _ = checks.check_pool((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits,
                                      group_size)
     checks.check_tables(block_table, lengths, np_, p, device=k_codes.device)
+    checks.check_max_len(max_len)
     b = block_table.shape[0]
     _, h, p, _ = k_codes.shape
     d = k_scale.shape[-1]
-    t = int(lengths.max()) if max_len is None else max_len
+    t = (int(lengths.max()) if b else 0) if max_len is None else max_len
     if b == 0 or t == 0:
         empty = k_scale.new_zeros(b, h, t, d)
         return empty, empty.clone()
-    npages = -(-t // p)
+    npages = min(-(-t // p), block_table.shape[1])  # max_len may reach past the table: zeros there
     pages = block_table[:, :npages].long().clamp(min=0)  # [B, np]
 
     def gather(x):  # [NP, H, X, ...] -> [B, H, np * X, ...]
@@ -151,6 +152,9 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     v = dequantize_values(vc.permute(0, 2, 1, 4, 3).reshape(b, h, npages * p, d), gather_t(v_scale),
                           gather_t(v_zero), group_size)
     k, v = k[:, :, :t], v[:, :, :t]
+    if k.shape[2] < t:
+        k = torch.nn.functional.pad(k, (0, 0, 0, t - k.shape[2]))
+        v = torch.nn.functional.pad(v, (0, 0, 0, t - v.shape[2]))
     if bool((lengths.long() < t).any()):  # a sequence shorter than t: zero its positions past its length
         valid = (torch.arange(t, device=lengths.device)[None, :] < lengths[:, None].long())[:, None, :, None]
         k = torch.where(valid, k, 0)
@@ -183,7 +187,7 @@ def _attend(q, k, v, valid, sm_scale, sink_logits=None):
     grp = hq // hkv
     qf = q.float().reshape(bsz, hkv, grp * ql, d)
     scores = qf @ k.float().transpose(-1, -2) * sm_scale  # [B, Hkv, grp*L, S]
-    scores = scores.reshape(bsz, hkv, grp, ql, -1)
+    scores = scores.reshape(bsz, hkv, grp, ql, k.shape[2])  # (no -1: an empty batch has no elements)
     scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
     if sink_logits is not None:
         sink = sink_logits.float().reshape(1, hkv, grp, 1, 1).expand(bsz, hkv, grp, ql, 1)
@@ -193,7 +197,7 @@ def _attend(q, k, v, valid, sm_scale, sink_logits=None):
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     if sink_logits is not None:
         probs = probs[..., :-1]  # the sink's weight: in the sum, on no value
-    probs = probs.reshape(bsz, hkv, grp * ql, -1)
+    probs = probs.reshape(bsz, hkv, grp * ql, k.shape[2])
     out = probs @ v.float()
     return out.reshape(bsz, hq, ql, d)
 

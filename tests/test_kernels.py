@@ -265,6 +265,30 @@ def test_dequantize_pages(kb, vb):
             torch.testing.assert_close(a.float(), b_.float(), rtol=1e-3, atol=1e-3)
 
 
+def test_dequantize_pages_empty_batch_and_max_len_past_the_table():
+    """An empty batch, and max_len past what the block table covers (zeros there): the reference as the kernels
+    (before, it raised RuntimeError: ``lengths.max()`` of no sequences, a reshape past the table), the attention ops
+    through it too; a negative max_len is a ValueError in both (before: the reference returned T=0, the kernels
+    RuntimeError)."""
+    g, p, d, h = 32, 64, 64, 1
+    lengths = torch.tensor([96, 32], dtype=torch.int32, device=DEV)
+    bt, np_ = make_block_table(lengths.tolist(), p, width=2)
+    pool = make_pool(np_, h, p, d, g, 4, 4, torch.float16)
+    for impl in (K, R):
+        k, v = impl.dequantize_pages(bt, lengths, *pool, 4, 4, g, max_len=300)  # the table covers 128 tokens
+        assert k.shape == v.shape == (2, h, 300, d), impl.__name__
+        assert not k[:, :, 96:].any() and not v[:, :, 96:].any() and not k[1, :, 32:].any()
+        torch.testing.assert_close(k[:, :, :96], R.dequantize_pages(bt, lengths, *pool, 4, 4, g)[0])
+        k, v = impl.dequantize_pages(bt[:0], lengths[:0], *pool, 4, 4, g)
+        assert k.shape == v.shape == (0, h, 0, d), impl.__name__
+        with pytest.raises(ValueError, match="max_len must be None or an int >= 0"):
+            impl.dequantize_pages(bt, lengths, *pool, 4, 4, g, max_len=-1)
+    q = torch.randn(0, 2, d, device=DEV, dtype=torch.float16)
+    win = torch.randn(0, h, 4, d, device=DEV, dtype=torch.float16)
+    out = R.paged_decode_attention(q, bt[:0], lengths[:0], *pool, win, win, lengths[:0], 4, 4, g, 0.125)
+    assert out.shape == (0, 2, d)
+
+
 def test_dequantize_pages_fp32_scales():
     g, p, d, h = 32, 32, 64, 1
     lengths = torch.tensor([64, 32], device=DEV)
