@@ -1307,8 +1307,10 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             dequantize_pages(block_table[sl], lengths[sl], k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                              key_bits, value_bits, group_size, max_len=t_max,
                              out=(k[:, :, :t_max, :d], v[:, :, :t_max, :d]))
-        k[:, :, t_max:t_max + c, :d] = res_k[sl]
-        v[:, :, t_max:t_max + c, :d] = res_v[sl]
+        # the window's slots past res_lengths hold no token (anything: NaN would pass through a zero weight): zeros
+        win = (torch.arange(c, device=q.device)[None, :] < res_lengths[sl].long()[:, None])[:, None, :, None]
+        k[:, :, t_max:t_max + c, :d] = torch.where(win, res_k[sl], 0)
+        v[:, :, t_max:t_max + c, :d] = torch.where(win, res_v[sl], 0)
         k[:, :, t_max + c:s_len, :d] = new_k[sl]
         v[:, :, t_max + c:s_len, :d] = new_v[sl]
         if sink:

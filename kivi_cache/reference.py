@@ -208,8 +208,10 @@ def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v
                               key_bits, value_bits, group_size)
     t = hk.shape[2]
     c = res_k.shape[2]
-    k = torch.cat([hk.to(res_k.dtype), res_k], dim=2)
-    v = torch.cat([hv.to(res_v.dtype), res_v], dim=2)
+    # the window's slots past res_lengths hold no token (anything: NaN would pass through a zero weight): zeros
+    win = (torch.arange(c, device=res_k.device)[None, :] < res_lengths[:, None].long())[:, None, :, None]
+    k = torch.cat([hk.to(res_k.dtype), torch.where(win, res_k, 0)], dim=2)
+    v = torch.cat([hv.to(res_v.dtype), torch.where(win, res_v, 0)], dim=2)
     pos = torch.arange(t + c, device=res_k.device)
     valid = torch.where(pos[None, :] < t, pos[None, :] < lengths[:, None].long(),
                         (pos[None, :] - t) < res_lengths[:, None].long())

@@ -505,6 +505,33 @@ def test_prefix_attention(dtype, kb, vb):
         assert err < TOL[dtype]
 
 
+def test_window_slots_past_res_lengths_never_reach_the_output():
+    """The window's slots at and past res_lengths hold no token: an engine's ``torch.empty`` window may hold anything
+    there, NaN included. Decode and prefix attention, kernels and reference, give what they give over a zeroed
+    window (before: NaN from the reference, decode and prefix, and from the prefix kernel: a zero weight times NaN)."""
+    bsz, hkv, grp, d, p, g, ql, dt = 2, 1, 2, 64, 64, 32, 3, torch.float16
+    args = list(decode_case(bsz, hkv, grp, d, p, g, 4, 4, dt, [64, 32], [3, 0], c=8))
+    res_k, res_v, rl = args[9], args[10], args[11]
+    for b, r in enumerate(rl.tolist()):
+        res_k[b, :, r:] = 0
+        res_v[b, :, r:] = 0
+    poisoned = [x.clone() for x in (res_k, res_v)]
+    for b, r in enumerate(rl.tolist()):
+        for x in poisoned:
+            x[b, :, r:] = float("nan")
+    q = torch.randn(bsz, hkv * grp, ql, d, device=DEV).to(dt)
+    new = torch.randn(bsz, hkv, ql, d, device=DEV).to(dt)
+    mask = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV))[None].repeat(bsz, 1, 1)
+    for impl in (K, R):
+        want = impl.paged_decode_attention(*args)
+        got = impl.paged_decode_attention(*args[:9], *poisoned, *args[11:])
+        assert torch.equal(got, want), f"decode {impl.__name__}"
+        pa = [q, *args[1:9]], [rl, new, new, mask, 4, 4, g, 0.125]
+        want = impl.paged_prefix_attention(*pa[0], res_k, res_v, *pa[1])
+        got = impl.paged_prefix_attention(*pa[0], *poisoned, *pa[1])
+        assert torch.equal(got, want), f"prefix {impl.__name__}"
+
+
 def test_zz_report_max_errors():
     print("max relative errors:", {k: f"{v:.2e}" for k, v in sorted(MAX_ERR.items())})
 
