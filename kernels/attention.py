@@ -1325,10 +1325,12 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             queries = first[:, None] + torch.arange(ql, device=q.device)[None, :]
             mask = hist[:, None, :] & (queries[:, :, None] - index[:, None, :] < sliding_window)
         mask[:, :, t_max + c:s_len] = new_mask[sl]
+        nothing = None
         if sink:
             mask[:, :, s_len] = True  # every query sees the sink (so none has nothing to attend to)
-        else:
-            mask[:, :, 0] |= ~mask.any(-1)  # a query with nothing to attend to (padding): defined, ignored output
+        else:  # a query with nothing to attend to (padding): a defined softmax here, zeros out (as the reference)
+            nothing = ~mask.any(-1)
+            mask[:, :, 0] |= nothing
         mask = mask[:, None].expand(n, grp, ql, s_pad).reshape(n, 1, grp * ql, s_pad)
         if sink:
             qs = torch.cat([q[sl].reshape(n, hkv, grp, ql, d), q_sink.expand(n, hkv, grp, ql, d2 - d)],
@@ -1336,5 +1338,6 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         else:
             qs = q[sl].reshape(n, hkv, grp * ql, d)
         o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=float(sm_scale))
-        out[sl] = o[..., :d].reshape(n, hq, ql, d)
+        o = o[..., :d].reshape(n, hq, ql, d)
+        out[sl] = o if nothing is None else o.masked_fill(nothing[:, None, :, None], 0)
     return out

@@ -532,6 +532,25 @@ def test_window_slots_past_res_lengths_never_reach_the_output():
         assert torch.equal(got, want), f"prefix {impl.__name__}"
 
 
+def test_prefix_query_with_nothing_to_attend_to_gives_zeros():
+    """A chunk query that sees nothing (its own and every new token masked, no stored token in its sliding window, or
+    none stored): zeros, as the reference (before, the kernels' path gave the value of its buffer's first key)."""
+    bsz, hkv, grp, d, p, g, ql, dt = 2, 1, 2, 64, 64, 32, 3, torch.float16
+    args = decode_case(bsz, hkv, grp, d, p, g, 4, 4, dt, [64, 32], [3, 1], c=4)
+    q = torch.randn(bsz, hkv * grp, ql, d, device=DEV).to(dt)
+    new = torch.randn(bsz, hkv, ql, d, device=DEV).to(dt)
+    mask = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV))[None].repeat(bsz, 1, 1)
+    mask[0, 1] = False  # query 1 of sequence 0: padding
+    none = torch.zeros(bsz, dtype=torch.int32, device=DEV)
+    empty = torch.zeros(bsz, hkv, 0, d, device=DEV, dtype=dt)
+    for hist, kw in ((list(args[1:12]), dict(sliding_window=1)), ([args[1], none, *args[3:9], empty, empty, none], {})):
+        pa = (q, *hist, new, new, mask, 4, 4, g, 0.125)
+        ref = R.paged_prefix_attention(*pa, **kw)
+        out = K.paged_prefix_attention(*pa, **kw)
+        assert not out[0, :, 1].any() and not ref[0, :, 1].any()
+        assert rel_err(out, ref, "prefix nothing to attend to") < TOL[dt]
+
+
 def test_zz_report_max_errors():
     print("max relative errors:", {k: f"{v:.2e}" for k, v in sorted(MAX_ERR.items())})
 
