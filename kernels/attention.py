@@ -928,6 +928,7 @@ def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scal
             v_scale.dtype, v_scale.storage_offset() % 2, v_zero.shape, v_zero.stride(), v_zero.dtype,
             v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype, res_v.shape, res_v.stride(),
             res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
+            type(key_bits), type(value_bits), type(group_size),  # 4.0 == 4: a float is checked (and rejected)
             None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env(),
             sliding_window, None if sink_logits is None else (sink_logits.dtype, sink_logits.stride()))
 
@@ -1023,6 +1024,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     _util.checks().check_sliding_window(sliding_window)
+    _util.checks().check_sm_scale(sm_scale)
     if sink_logits is not None:
         _util.checks().check_sink_logits(sink_logits, q)
         if sink_logits.stride(-1) != 1:
@@ -1268,6 +1270,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     """
     chk = _util.checks()
     chk.check_sliding_window(sliding_window)
+    chk.check_sm_scale(sm_scale)
     chk.check_sink_logits(sink_logits, q)
     chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
                         res_lengths, key_bits, value_bits, group_size)

@@ -9,6 +9,7 @@ the caller guarantees them (the cache does): out-of-range values there read or w
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -48,9 +49,11 @@ def check_pool(pool, key_bits: int, value_bits: int, group_size: int) -> tuple:
     d = shape_of("k_scale", pool[1], 4)[-1]
     g = group_size
     for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
-        if b not in ALLOWED_BITS:
+        if not _is_int(b) or b not in ALLOWED_BITS:
             raise ValueError(f"{name} must be one of {ALLOWED_BITS}, got {b!r}")
-    if not isinstance(g, int) or g < 1 or d % g or p % g:
+    if not _is_int(g) or g < 1:
+        raise ValueError(f"group_size must be an int >= 1 (tokens/channels per scale), got {g!r}")
+    if d % g or p % g:
         raise ValueError(f"group_size={g!r} must divide head_dim={d} and page_size={p}")
     want = ((np_, h, p, d * key_bits // 8), (np_, h, p // g, d), (np_, h, p // g, d),
             (np_, h, d, p * value_bits // 8), (np_, h, d // g, p), (np_, h, d // g, p))
@@ -65,6 +68,18 @@ def check_pool(pool, key_bits: int, value_bits: int, group_size: int) -> tuple:
             raise ValueError(f"{POOL_NAMES[b]} must have {POOL_NAMES[a]}'s dtype {pool[a].dtype}, got {pool[b].dtype}")
     check_device(pool[0].device, **dict(zip(POOL_NAMES, pool, strict=True)))
     return np_, h, p, d
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_sm_scale(sm_scale) -> None:
+    """The attention ops' softmax scale: a real number (or a one-element tensor)."""
+    if isinstance(sm_scale, bool) or not (isinstance(sm_scale, numbers.Real) or (
+            isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1)):
+        raise ValueError(f"sm_scale must be a real number (the softmax scale, e.g. 1 / sqrt(head_dim)), got "
+                         f"{sm_scale!r}")
 
 
 def values_checked(t: torch.Tensor) -> bool:

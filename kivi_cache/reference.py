@@ -249,6 +249,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
                            res_v, res_lengths, key_bits, value_bits, group_size)
     checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     checks.check_sink_logits(sink_logits, q)
@@ -284,6 +285,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                            res_v, res_lengths, key_bits, value_bits, group_size)
     checks.check_prefix_chunk(q, new_k, new_v, new_mask)
     checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
     checks.check_sink_logits(sink_logits, q)
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                   res_k, res_v, res_lengths, key_bits, value_bits, group_size)

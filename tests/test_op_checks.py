@@ -271,3 +271,31 @@ def test_append_and_flush_checks_where_it_flushes_before_writing(mod, case):
         mod.append_and_flush(a["new"], a["new"], a["res_k"], a["res_v"], a["res_lengths"], a["sink_lengths"],
                              a["lengths"], a["block_table"], *a["pool"], 4, 4, G, 8, 2)
     assert unchanged(before, state), "written before the error"
+
+
+SCALAR_CASES = {  # before: the reference failed inside torch (NotImplementedError: "rshift_cpu" not implemented for
+    # 'Float'; TypeError), the kernels took 4.0 and 32.0 silently on a plan made for 4 and 32, or said "could not
+    # convert string to float", and group_size=32.0 was said not to divide head_dim 64
+    "key_bits_float": (dict(key_bits=4.0), "key_bits must be one of \\(2, 4, 8\\), got 4.0"),
+    "value_bits_str": (dict(value_bits="4"), "value_bits must be one of \\(2, 4, 8\\), got '4'"),
+    "group_size_float": (dict(group_size=32.0), "group_size must be an int >= 1 .*got 32.0"),
+    "sm_scale_str": (dict(sm_scale="0.125"), "sm_scale must be a real number"),
+    "sm_scale_none": (dict(sm_scale=None), "sm_scale must be a real number"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(SCALAR_CASES))
+def test_attention_rejects_bad_scalar_arguments(mod, case):
+    over, match = SCALAR_CASES[case]
+    a = decode_args()
+    s = dict(key_bits=4, value_bits=4, group_size=G, sm_scale=0.125)
+    head = (a["q"], a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"], a["res_lengths"])
+    mod.paged_decode_attention(*head, *s.values())  # a plan for the good arguments (the kernels)
+    s.update(over)
+    with pytest.raises(ValueError, match=match):
+        mod.paged_decode_attention(*head, *s.values())
+    q = a["q"][:, :, None]
+    new = torch.randn(2, 1, 1, D).to(DT)
+    with pytest.raises(ValueError, match=match):
+        mod.paged_prefix_attention(q, *head[1:], new, new, torch.ones(2, 1, 1, dtype=torch.bool), *s.values())
