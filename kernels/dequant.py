@@ -110,7 +110,8 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
 
     Returns k, v ``[B, H, T, D]`` in the scale dtypes; zero at or past each length.
     ``max_len=None`` reads ``lengths.max()`` (one device sync). ``out=(k, v)``
-    preallocated ``[B, H, T, D]`` outputs (last dim contiguous) are written in place if given.
+    preallocated ``[B, H, T, D]`` floating outputs on the pool's device (last dim contiguous, the same strides) are
+    written in place if given (converted to their dtype).
     """
     chk = _util.checks()
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
@@ -129,6 +130,9 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
             raise ValueError(f"out tensors must be [B, H, T, D] = {(b, h, t, d)}")
         if k_out.stride(-1) != 1 or v_out.stride(-1) != 1 or k_out.stride() != v_out.stride():
             raise ValueError("out tensors must share strides and have a contiguous last dimension")
+        if any(o.dtype not in chk.FLOATS or o.device != k_codes.device for o in (k_out, v_out)):
+            raise ValueError(f"out tensors must be floating ({chk.FLOATS}) on the pool's device {k_codes.device}, "
+                             f"got {k_out.dtype} on {k_out.device} and {v_out.dtype} on {v_out.device}")
     if b == 0 or t == 0 or h == 0:
         return k_out, v_out
     blk = block_tokens(p, group_size, 256 if interpreting() else 32)

@@ -299,3 +299,15 @@ def test_attention_rejects_bad_scalar_arguments(mod, case):
     new = torch.randn(2, 1, 1, D).to(DT)
     with pytest.raises(ValueError, match=match):
         mod.paged_prefix_attention(q, *head[1:], new, new, torch.ones(2, 1, 1, dtype=torch.bool), *s.values())
+
+
+@pytest.mark.parametrize("case", ["dtype", "device"])
+def test_kernel_dequantize_pages_checks_its_out_tensors(case):
+    """kernels.dequantize_pages(out=(k, v)): floating tensors on the pool's device, else a ValueError naming out
+    (before: integer outputs were filled with truncated values, and outputs on another device raised
+    NotImplementedError here, on a GPU Triton's error about a CPU pointer)."""
+    a = decode_args()
+    bad = dict(dtype=dict(dtype=torch.int8), device=dict(dtype=DT, device="meta"))[case]
+    out = (torch.empty(2, 1, 96, D, **bad), torch.empty(2, 1, 96, D, **bad))
+    with pytest.raises(ValueError, match="out tensors must be"):
+        K.dequantize_pages(a["block_table"], a["lengths"], *a["pool"], 4, 4, G, out=out)
