@@ -230,7 +230,7 @@ def _in_window(index, query_index, window):
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float, new_k=None, new_v=None, merge: bool = True,
+                           sm_scale: float, *, new_k=None, new_v=None, merge: bool = True,
                            sliding_window: int | None = None, sink_logits=None):
     """One query token per sequence over its quantized pages and residual window.
 
@@ -271,7 +271,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
-                           group_size: int, sm_scale: float, sliding_window: int | None = None, sink_logits=None):
+                           group_size: int, sm_scale: float, *, sliding_window: int | None = None, sink_logits=None):
     """Several query tokens over a quantized past plus their own (full precision) chunk.
 
     q: ``[B, Hq, L, D]``; new_k/new_v: ``[B, Hkv, L, D]``; new_mask: ``[B, L, L]``

@@ -100,6 +100,23 @@ def test_available():
     assert K.available()
 
 
+def test_kernels_take_the_references_arguments():
+    """kernels/__init__.py: each public function is the twin of the reference's, "same signature ... a few extra
+    keyword-only tuning arguments": the reference's parameters, in its order, of the same kind and default, and the
+    extra ones keyword-only (before, the reference took its optional arguments after sm_scale positionally, the
+    kernels only by keyword: a call written against the reference failed on the kernels with TypeError)."""
+    import inspect
+
+    for name in ("quantize_and_write", "append_and_flush", "dequantize_pages", "paged_decode_attention",
+                 "paged_prefix_attention"):
+        kern = inspect.signature(getattr(K, name)).parameters
+        ref = inspect.signature(getattr(R, name)).parameters
+        assert [n for n in kern if n in ref] == list(ref), name
+        for n, p in ref.items():
+            assert (kern[n].kind, kern[n].default) == (p.kind, p.default), (name, n)
+        assert all(p.kind == p.KEYWORD_ONLY for n, p in kern.items() if n not in ref), name
+
+
 def test_head_dim_rejected():
     d = 96
     pool = make_pool(2, 1, 32, d, 32, 4, 4, torch.float16)
