@@ -231,7 +231,8 @@ def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
 
 
 def check_prefix_chunk(q, new_k, new_v, new_mask) -> None:
-    """paged_prefix_attention's chunk: new_k, new_v ``[B, Hkv, L, D]`` floats, new_mask ``[B, L, L]`` bool."""
+    """paged_prefix_attention's chunk: new_k, new_v ``[B, Hkv, L, D]`` floats, new_mask ``[B, L, L]`` bool, on q's
+    device."""
     bsz, hq, ql, d = shape_of("q", q, 4)
     h = new_k.shape[1] if new_k.dim() == 4 else 0
     for name, t in (("new_k", new_k), ("new_v", new_v)):
@@ -241,6 +242,7 @@ def check_prefix_chunk(q, new_k, new_v, new_mask) -> None:
     if shape_of("new_mask", new_mask, 3) != (bsz, ql, ql) or new_mask.dtype != torch.bool:
         raise ValueError(f"new_mask must be a bool [B={bsz}, L={ql}, L={ql}] tensor, got {list(new_mask.shape)} "
                          f"{new_mask.dtype}")
+    check_device(q.device, new_k=new_k, new_v=new_v, new_mask=new_mask)
 
 
 def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool, key_bits: int,

@@ -311,3 +311,18 @@ def test_kernel_dequantize_pages_checks_its_out_tensors(case):
     out = (torch.empty(2, 1, 96, D, **bad), torch.empty(2, 1, 96, D, **bad))
     with pytest.raises(ValueError, match="out tensors must be"):
         K.dequantize_pages(a["block_table"], a["lengths"], *a["pool"], 4, 4, G, out=out)
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("name", ["new_k", "new_v", "new_mask"])
+def test_prefix_checks_the_chunks_devices(mod, name):
+    """paged_prefix_attention's chunk (new_k, new_v, new_mask) on another device: a ValueError naming it (before, the
+    reference raised torch's RuntimeError from torch.cat, the kernels copied it across devices or, here,
+    NotImplementedError)."""
+    a = decode_args()
+    chunk = dict(new_k=torch.randn(2, 1, 3, D).to(DT), new_v=torch.randn(2, 1, 3, D).to(DT),
+                 new_mask=torch.ones(2, 3, 3, dtype=torch.bool))
+    chunk[name] = chunk[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} is on meta"):
+        mod.paged_prefix_attention(torch.randn(2, 2, 3, D).to(DT), a["block_table"], a["lengths"], *a["pool"],
+                                   a["res_k"], a["res_v"], a["res_lengths"], *chunk.values(), 4, 4, G, 0.125)
