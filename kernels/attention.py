@@ -827,6 +827,9 @@ class _DecodePlan:
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                  value_bits, group_size, num_splits, force_half_dot, plain, newkv=False, sliding_window=None,
                  sink=False):
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                       or num_splits < 1):
+            raise ValueError(f"num_splits must be None (automatic) or an int >= 1 (context splits), got {num_splits!r}")
         bsz, hq, d = q.shape
         _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
         np_, hkv, p, _ = k_codes.shape
@@ -1007,7 +1010,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     window at ``res_lengths[b] - 1`` (the lengths already count it) before attending (the cache's decode step then
     needs no separate window writes).
 
-    q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits``
+    q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits`` (an int >= 1)
     overrides the automatic context split (for tests/benchmarks); ``out``
     (``[B, Hq, D]``, q's dtype, last dim contiguous) is written in place if given.
     ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX unpack) are for tests and
@@ -1281,6 +1284,10 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     _, hkv, p, _ = k_codes.shape
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if batch_slice is not None and (isinstance(batch_slice, bool) or not isinstance(batch_slice, int)
+                                    or batch_slice < 1):
+        raise ValueError(f"batch_slice must be None (by memory) or an int >= 1 (sequences per slice), got "
+                         f"{batch_slice!r}")
     out = torch.empty_like(q)
     if bsz == 0 or ql == 0:
         return out

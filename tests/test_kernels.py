@@ -356,6 +356,15 @@ def test_decode_num_splits(splits):
     run_decode(args, f"decode splits{splits}", num_splits=splits)
 
 
+@pytest.mark.parametrize("splits", [-1, 0, 2.5, "3"])
+def test_decode_num_splits_is_checked(splits):
+    """num_splits: None (automatic) or an int >= 1. Before, -1 gave a silent wrong answer (no context split read),
+    0 was taken as automatic, a float or a string failed inside the plan with TypeError."""
+    args = decode_case(2, 1, 2, 64, 64, 32, 4, 4, torch.float16, [96, 160], [3, 5])
+    with pytest.raises(ValueError, match="num_splits must be None \\(automatic\\) or an int >= 1"):
+        K.paged_decode_attention(*args, num_splits=splits)
+
+
 @pytest.mark.parametrize("bsz,hq,d,nsp1,dtype", [(2, 3, 64, 3, torch.float16), (2, 3, 128, 301, torch.float32),
                                                  (2, 3, 256, 130, torch.bfloat16), (128, 4, 64, 5, torch.float16)])
 def test_decode_reduce(bsz, hq, d, nsp1, dtype):
@@ -520,6 +529,18 @@ def test_prefix_attention(dtype, kb, vb):
         assert torch.isfinite(out).all()
         err = rel_err(out, ref, f"prefix {dtype}")
         assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("batch_slice", [-1, 0, 1.5])
+def test_prefix_batch_slice_is_checked(batch_slice):
+    """batch_slice: None or an int >= 1. Before, -1 returned the uninitialized output (no slice ran), 0 and 1.5 failed
+    in range() with its own message."""
+    args = decode_case(2, 1, 2, 64, 64, 32, 4, 4, torch.float16, [96, 0], [3, 5])
+    q = torch.randn(2, 2, 3, 64, device=DEV).to(torch.float16)
+    new = torch.randn(2, 1, 3, 64, device=DEV).to(torch.float16)
+    mask = torch.ones(2, 3, 3, dtype=torch.bool, device=DEV)
+    with pytest.raises(ValueError, match="batch_slice must be None \\(by memory\\) or an int >= 1"):
+        K.paged_prefix_attention(q, *args[1:12], new, new, mask, *args[12:], batch_slice=batch_slice)
 
 
 def test_window_slots_past_res_lengths_never_reach_the_output():
