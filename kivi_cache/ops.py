@@ -94,12 +94,14 @@ def _call(name: str, device, *args, **kwargs):
         return getattr(mod, name)(*args, **kwargs)
     try:
         return getattr(mod, name)(*args, **kwargs)
-    except ValueError as exc:  # a shape or setting the kernels do not cover (e.g. head_dim 96)
+    except ValueError as exc:  # a shape or setting the kernels do not cover (e.g. head_dim 96), or a bad argument
+        # the reference checks the same arguments before writing anything: a bad one raises here, with no warning
+        out = getattr(reference, name)(*args, **kwargs)
         if name not in _unsupported_warned:
             warnings.warn(f"kivi_cache: {name} kernel does not support this configuration ({exc}); "
                           "using the torch reference", RuntimeWarning, stacklevel=3)
             _unsupported_warned.add(name)
-        return getattr(reference, name)(*args, **kwargs)
+        return out
 
 
 def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size):

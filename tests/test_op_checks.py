@@ -326,3 +326,33 @@ def test_prefix_checks_the_chunks_devices(mod, name):
     with pytest.raises(ValueError, match=f"{name} is on meta"):
         mod.paged_prefix_attention(torch.randn(2, 2, 3, D).to(DT), a["block_table"], a["lengths"], *a["pool"],
                                    a["res_k"], a["res_v"], a["res_lengths"], *chunk.values(), 4, 4, G, 0.125)
+
+
+def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
+    """kivi_cache.ops in "auto" on a GPU falls back to the reference, with one warning per op, where the kernels
+    reject a configuration they do not cover. A bad argument (rejected by both backends) went the same way: the
+    warning "kernel does not support this configuration (...); using the torch reference", then the reference's
+    ValueError, and the op's one warning used up for later real fallbacks. Now the error alone. (The kernels under
+    the interpreter stand in for CUDA here.)"""
+    import warnings
+
+    from kivi_cache import ops
+
+    monkeypatch.setattr(ops, "_impl", lambda device_type: K)
+    monkeypatch.setattr(ops, "_unsupported_warned", set())
+    a = decode_args(res_lengths=ints(3, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="res_lengths must be in"):
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"],
+                                       res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+                                       group_size=G, sm_scale=0.125)
+    assert not ops._unsupported_warned
+    pl = zero_points_strided_apart(pool(4), 2)  # the kernels do not cover it, the reference does: warned, answered
+    a = decode_args(pool=pl)
+    with pytest.warns(RuntimeWarning, match="does not support this configuration"):
+        out = ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, res_k=a["res_k"],
+                                         res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+                                         group_size=G, sm_scale=0.125)
+    assert torch.equal(out, R.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"],
+                                                     a["res_v"], a["res_lengths"], 4, 4, G, 0.125))
