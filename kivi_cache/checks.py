@@ -259,6 +259,9 @@ def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, 
         if tuple(t.shape) not in ((bsz, h, d), (bsz, h, 1, d)):
             raise ValueError(f"{name} must be [B={bsz}, H={h}, D={d}] (or [B, H, 1, D]), got {list(t.shape)}")
         check_dtype(name, t, FLOATS)
+    if new_v.shape != new_k.shape:
+        raise ValueError(f"new_v must be [B={bsz}, H={h}, D={d}] like new_k (or both [B, H, 1, D]), got "
+                         f"{list(new_v.shape)} and new_k {list(new_k.shape)}")
     if shape_of("sink_lengths", sink_lengths, 1) != (bsz,):
         raise ValueError(f"sink_lengths must be [B={bsz}], got {list(sink_lengths.shape)}")
     check_dtype("sink_lengths", sink_lengths, INTS)

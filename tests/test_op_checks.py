@@ -239,7 +239,8 @@ def flush_args(**over):
     """append_and_flush's arguments: window capacity 42 = sinks 2 + residual 8 + group 32; sequence 0's window is full
     after this step's token (a flush into page block_table[0, lengths[0] // P] at slot lengths[0] % P)."""
     cap = 2 + 8 + G
-    a = dict(new=torch.randn(2, 1, D).to(DT), res_k=torch.randn(2, 1, cap, D).to(DT),
+    new = torch.randn(2, 1, D).to(DT)
+    a = dict(new_k=new, new_v=new, res_k=torch.randn(2, 1, cap, D).to(DT),
              res_v=torch.randn(2, 1, cap, D).to(DT), res_lengths=ints(cap - 1, 5), sink_lengths=ints(2, 2),
              lengths=ints(96, 32), block_table=ints(0, 1, -1, 2, -1, -1).view(2, 3), pool=pool(4))
     a.update(over)
@@ -257,6 +258,9 @@ FLUSH_CASES = {
     # the reference took a window too small for its sinks, residual and group
     "capacity": (dict(res_k=torch.randn(2, 1, 41, D).to(DT), res_v=torch.randn(2, 1, 41, D).to(DT),
                       res_lengths=ints(3, 5)), "res_k/res_v must be \\[B, H, >= sink_length \\+ residual_length"),
+    # new_k [B, H, 1, D], new_v [B, H, D]: the reference wrote res_k, then failed on res_v with torch's RuntimeError;
+    # the kernels named the shapes after dropping new_k's token axis from both ([2, 1] for new_v)
+    "token_shapes": (dict(new_k=torch.randn(2, 1, 1, D).to(DT)), "new_v must be \\[B=2, H=1, D=64\\] like new_k"),
 }
 
 
@@ -268,7 +272,7 @@ def test_append_and_flush_checks_where_it_flushes_before_writing(mod, case):
     state = [*a["pool"], a["res_k"], a["res_v"]]
     before = [t.clone() for t in state]
     with pytest.raises(ValueError, match=match):
-        mod.append_and_flush(a["new"], a["new"], a["res_k"], a["res_v"], a["res_lengths"], a["sink_lengths"],
+        mod.append_and_flush(a["new_k"], a["new_v"], a["res_k"], a["res_v"], a["res_lengths"], a["sink_lengths"],
                              a["lengths"], a["block_table"], *a["pool"], 4, 4, G, 8, 2)
     assert unchanged(before, state), "written before the error"
 
