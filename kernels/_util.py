@@ -53,6 +53,28 @@ def check_group(d: int, group_size: int, page_size: int | None = None) -> None:
         raise ValueError(f"page_size={page_size} must be a multiple of group_size={g}")
 
 
+POOL_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")  # as kivi_cache.checks.POOL_NAMES
+
+
+def check_pool_strides(pool) -> None:
+    """The pool as every kernel reads it: each tensor's rows contiguous (last dim), and each zero-point tensor strided
+    as its scales (the kernels index both with the scales' strides; dims of size 1 aside), else ValueError naming the
+    tensor. (The torch reference takes any strides.)"""
+    for name, t in zip(POOL_NAMES, pool, strict=True):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension for the Triton kernels, got strides "
+                             f"{tuple(t.stride())} for shape {list(t.shape)}")
+    for s, z in ((1, 2), (4, 5)):
+        if _used_strides(pool[z]) != _used_strides(pool[s]):
+            raise ValueError(f"{POOL_NAMES[z]} must have {POOL_NAMES[s]}'s strides {tuple(pool[s].stride())} (the "
+                             f"Triton kernels index both with them), got {tuple(pool[z].stride())}")
+
+
+def _used_strides(t: torch.Tensor) -> tuple:
+    """The strides of ``t``'s dims of more than one element (None for the others: never stepped along)."""
+    return tuple(st if n > 1 else None for st, n in zip(t.stride(), t.shape, strict=True))
+
+
 def check_settings(d: int, key_bits: int, value_bits: int, group_size: int, page_size: int) -> None:
     """head_dim, bits and group size (against head_dim and the page) as the kernels accept them, else ValueError."""
     check_head_dim(d)

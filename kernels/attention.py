@@ -59,6 +59,7 @@ from . import _util
 from ._util import (
     Launcher,
     block_tokens,
+    check_pool_strides,
     check_settings,
     env_reader,
     interpreting,
@@ -827,6 +828,9 @@ class _DecodePlan:
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                  value_bits, group_size, num_splits, force_half_dot, plain, newkv=False, sliding_window=None,
                  sink=False):
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                       or num_splits < 1):
+            raise ValueError(f"num_splits must be None (automatic) or an int >= 1 (context splits), got {num_splits!r}")
         bsz, hq, d = q.shape
         _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
         np_, hkv, p, _ = k_codes.shape
@@ -904,15 +908,10 @@ class _DecodePlan:
 
 
 def _check_new_token(new_k, new_v, q, res_k, res_v):
-    """``new_k``/``new_v`` as ``[B, Hkv, D]`` views with a contiguous last dim; checked against q and the window."""
-    if new_v is None:
-        raise ValueError("new_k and new_v must be given together")
+    """``new_k``/``new_v`` as ``[B, Hkv, D]`` views with a contiguous last dim (checked by
+    :func:`kivi_cache.checks.check_new_token`); the window they are written into checked."""
     if new_k.dim() == 4:
         new_k, new_v = new_k.select(2, 0), new_v.select(2, 0)
-    want = (q.shape[0], res_k.shape[1], q.shape[2])
-    if tuple(new_k.shape) != want or tuple(new_v.shape) != want:
-        raise ValueError(f"new_k/new_v must be [B, Hkv, D] = {list(want)} (or [B, Hkv, 1, D]); got "
-                         f"{list(new_k.shape)} and {list(new_v.shape)}")
     if res_k.stride(-1) != 1 or res_v.stride(-1) != 1:
         raise ValueError("with new_k/new_v the window (res_k/res_v) is written in place: its last dim must be "
                          "contiguous")
@@ -923,13 +922,17 @@ def _check_new_token(new_k, new_v, q, res_k, res_v):
 def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
               out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v,
               sliding_window=None, sink_logits=None):
-    return (out.stride(), q.device, q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
+    # every tensor's device (each checked on a new key only; new_k/new_v, sink_logits and out on every call)
+    return (out.stride(), q.device, block_table.device, lengths.device, res_lengths.device, k_codes.device,
+            k_scale.device, k_zero.device, v_codes.device, v_scale.device, v_zero.device, res_k.device, res_v.device,
+            q.dtype, q.shape, q.stride(), block_table.shape, block_table.stride(),
             block_table.dtype, lengths.shape, lengths.dtype, res_lengths.shape, res_lengths.dtype, k_codes.shape,
             k_codes.stride(), k_codes.dtype, k_scale.shape, k_scale.stride(), k_scale.dtype, k_zero.shape,
             k_zero.stride(), k_zero.dtype, v_codes.shape, v_codes.stride(), v_scale.shape, v_scale.stride(),
             v_scale.dtype, v_scale.storage_offset() % 2, v_zero.shape, v_zero.stride(), v_zero.dtype,
             v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype, res_v.shape, res_v.stride(),
             res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
+            type(key_bits), type(value_bits), type(group_size),  # 4.0 == 4: a float is checked (and rejected)
             None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env(),
             sliding_window, None if sink_logits is None else (sink_logits.dtype, sink_logits.stride()))
 
@@ -1008,7 +1011,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     window at ``res_lengths[b] - 1`` (the lengths already count it) before attending (the cache's decode step then
     needs no separate window writes).
 
-    q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits``
+    q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits`` (an int >= 1)
     overrides the automatic context split (for tests/benchmarks); ``out``
     (``[B, Hq, D]``, q's dtype, last dim contiguous) is written in place if given.
     ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX unpack) are for tests and
@@ -1025,13 +1028,17 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     _util.checks().check_sliding_window(sliding_window)
+    _util.checks().check_sm_scale(sm_scale)
     if sink_logits is not None:
         _util.checks().check_sink_logits(sink_logits, q)
         if sink_logits.stride(-1) != 1:
             sink_logits = sink_logits.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if new_k is not None:
+    token = (new_k, new_v)  # checked after the plan's checks (kivi_cache.checks.check_new_token)
+    if new_k is not None or new_v is not None:
+        if new_k is None or new_v is None:
+            _util.checks().check_new_token(new_k, new_v, q, k_codes)  # raises: one without the other
         new_k, new_v = _check_new_token(new_k, new_v, q, res_k, res_v)
     if res_k.stride(-1) != 1:
         res_k = res_k.contiguous()
@@ -1046,8 +1053,9 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     bsz, hq, d = q.shape
     if out is None:
         out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must be [B, Hq, D] in q's dtype with a contiguous last dimension")
+    elif tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be [B, Hq, D] in q's dtype on q's device with a contiguous last dimension, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}, strides {tuple(out.stride())}")
     key = _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
                     res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain, new_k,
                     new_v, sliding_window, sink_logits)
@@ -1056,6 +1064,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
         _util.checks().check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
                                        group_size, values=False)
+        check_pool_strides(pool)
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                            value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None,
                            sliding_window, sink_logits is not None)
@@ -1065,6 +1074,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             _PLANS[key] = plan
     if not q.is_cuda or _util.CHECK_INDICES:
         _util.checks().attention_values(block_table, lengths, k_codes, res_k, res_lengths)
+    if token[0] is not None or token[1] is not None:
+        _util.checks().check_new_token(*token, q, k_codes)
     if bsz == 0 or hq == 0:
         return out
     ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
@@ -1142,7 +1153,8 @@ class DecodeRunner:
     def _launch(self, r: _Ready, q, rl, sm_scale, new_k, new_v, sink=None):
         """The direct launch, or None where the first run's kernels and arguments do not apply."""
         if (q.shape != r.qshape or q.stride() != r.qstride or q.dtype != r.dtype or sm_scale != r.scale
-                or rl.dtype != r.rl_dtype or rl.stride(-1) != 1 or (new_k is None) != (r.new is None)):
+                or rl.dtype != r.rl_dtype or rl.stride(-1) != 1 or (new_k is None) != (r.new is None)
+                or (new_v is None) != (r.new is None)):
             return None
         if (sink is None) != (r.sink is None) or (sink is not None and (
                 sink.dtype != r.sink[0] or sink.shape != r.sink[1] or sink.stride(-1) != 1
@@ -1262,15 +1274,21 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     """
     chk = _util.checks()
     chk.check_sliding_window(sliding_window)
+    chk.check_sm_scale(sm_scale)
     chk.check_sink_logits(sink_logits, q)
     chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
                         res_lengths, key_bits, value_bits, group_size)
     chk.check_prefix_chunk(q, new_k, new_v, new_mask)
+    check_pool_strides((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
     bsz, hq, ql, d = q.shape
     _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
     _, hkv, p, _ = k_codes.shape
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if batch_slice is not None and (isinstance(batch_slice, bool) or not isinstance(batch_slice, int)
+                                    or batch_slice < 1):
+        raise ValueError(f"batch_slice must be None (by memory) or an int >= 1 (sequences per slice), got "
+                         f"{batch_slice!r}")
     out = torch.empty_like(q)
     if bsz == 0 or ql == 0:
         return out
@@ -1300,8 +1318,10 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             dequantize_pages(block_table[sl], lengths[sl], k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                              key_bits, value_bits, group_size, max_len=t_max,
                              out=(k[:, :, :t_max, :d], v[:, :, :t_max, :d]))
-        k[:, :, t_max:t_max + c, :d] = res_k[sl]
-        v[:, :, t_max:t_max + c, :d] = res_v[sl]
+        # the window's slots past res_lengths hold no token (anything: NaN would pass through a zero weight): zeros
+        win = (torch.arange(c, device=q.device)[None, :] < res_lengths[sl].long()[:, None])[:, None, :, None]
+        k[:, :, t_max:t_max + c, :d] = torch.where(win, res_k[sl], 0)
+        v[:, :, t_max:t_max + c, :d] = torch.where(win, res_v[sl], 0)
         k[:, :, t_max + c:s_len, :d] = new_k[sl]
         v[:, :, t_max + c:s_len, :d] = new_v[sl]
         if sink:
@@ -1316,10 +1336,12 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             queries = first[:, None] + torch.arange(ql, device=q.device)[None, :]
             mask = hist[:, None, :] & (queries[:, :, None] - index[:, None, :] < sliding_window)
         mask[:, :, t_max + c:s_len] = new_mask[sl]
+        nothing = None
         if sink:
             mask[:, :, s_len] = True  # every query sees the sink (so none has nothing to attend to)
-        else:
-            mask[:, :, 0] |= ~mask.any(-1)  # a query with nothing to attend to (padding): defined, ignored output
+        else:  # a query with nothing to attend to (padding): a defined softmax here, zeros out (as the reference)
+            nothing = ~mask.any(-1)
+            mask[:, :, 0] |= nothing
         mask = mask[:, None].expand(n, grp, ql, s_pad).reshape(n, 1, grp * ql, s_pad)
         if sink:
             qs = torch.cat([q[sl].reshape(n, hkv, grp, ql, d), q_sink.expand(n, hkv, grp, ql, d2 - d)],
@@ -1327,5 +1349,6 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         else:
             qs = q[sl].reshape(n, hkv, grp * ql, d)
         o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=float(sm_scale))
-        out[sl] = o[..., :d].reshape(n, hq, ql, d)
+        o = o[..., :d].reshape(n, hq, ql, d)
+        out[sl] = o if nothing is None else o.masked_fill(nothing[:, None, :, None], 0)
     return out

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _util
-from ._util import block_tokens, check_settings, interpreting
+from ._util import block_tokens, check_pool_strides, check_settings, interpreting
 
 
 @triton.jit
@@ -110,13 +110,16 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
 
     Returns k, v ``[B, H, T, D]`` in the scale dtypes; zero at or past each length.
     ``max_len=None`` reads ``lengths.max()`` (one device sync). ``out=(k, v)``
-    preallocated ``[B, H, T, D]`` outputs (last dim contiguous) are written in place if given.
+    preallocated ``[B, H, T, D]`` floating outputs on the pool's device (last dim contiguous, the same strides) are
+    written in place if given (converted to their dtype).
     """
     chk = _util.checks()
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     np_, h, p, d = chk.check_pool(pool, key_bits, value_bits, group_size)
-    b = chk.check_tables(block_table, lengths, np_, p)
+    b = chk.check_tables(block_table, lengths, np_, p, device=k_codes.device)
+    chk.check_max_len(max_len)
     check_settings(d, key_bits, value_bits, group_size, p)
+    check_pool_strides(pool)
     t = int(lengths.max()) if (max_len is None and b > 0) else (max_len or 0)
     if out is None:
         k_out = torch.empty(b, h, t, d, dtype=k_scale.dtype, device=k_scale.device)
@@ -127,6 +130,9 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
             raise ValueError(f"out tensors must be [B, H, T, D] = {(b, h, t, d)}")
         if k_out.stride(-1) != 1 or v_out.stride(-1) != 1 or k_out.stride() != v_out.stride():
             raise ValueError("out tensors must share strides and have a contiguous last dimension")
+        if any(o.dtype not in chk.FLOATS or o.device != k_codes.device for o in (k_out, v_out)):
+            raise ValueError(f"out tensors must be floating ({chk.FLOATS}) on the pool's device {k_codes.device}, "
+                             f"got {k_out.dtype} on {k_out.device} and {v_out.dtype} on {v_out.device}")
     if b == 0 or t == 0 or h == 0:
         return k_out, v_out
     blk = block_tokens(p, group_size, 256 if interpreting() else 32)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _util
-from ._util import Launcher, check_settings, env_reader
+from ._util import Launcher, check_pool_strides, check_settings, env_reader
 
 
 @triton.jit
@@ -120,8 +120,8 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     """Triton twin of :func:`kivi_cache.reference.quantize_and_write` (same arguments, in place).
 
     k, v: ``[N, H, G, D]`` (last dim contiguous); pool tensors with a contiguous
-    last dim (other strides are passed to the kernel). Checked as the reference
-    (:func:`kivi_cache.checks.check_write`).
+    last dim (other strides are passed to the kernel), zero points strided as their scales. Checked as the reference
+    (:func:`kivi_cache.checks.check_write`) and by :func:`kernels._util.check_pool_strides`.
     """
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _util.checks().check_write(k, v, pages, slots, pool, key_bits, value_bits, group_size)
@@ -133,9 +133,7 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
-        if t.stride(-1) != 1:
-            raise ValueError("pool tensors must have a contiguous last dimension")
+    check_pool_strides(pool)
     pages = pages.contiguous()
     slots = slots.contiguous()
     env = _quant_env()
@@ -241,7 +239,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     """Triton twin of :func:`kivi_cache.reference.append_and_flush` (same arguments, in place): one launch, grid
     ``(B, H, 2)``; the lengths are read, never written."""
     _util.checks().check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
-                               (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size)
+                               (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
+                               residual_length, sink_length)
     bsz, h, cap, d = res_k.shape
     if bsz == 0:
         return
@@ -256,9 +255,10 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
                          f"{list(res_k.shape)} and {list(res_v.shape)}")
     new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
     new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
-    for t in (res_k, res_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table):
+    check_pool_strides((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
+    for t in (res_k, res_v, block_table):
         if t.stride(-1) != 1:
-            raise ValueError("window, pool and block-table tensors must have a contiguous last dimension")
+            raise ValueError("window and block-table tensors must have a contiguous last dimension")
     meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
                 BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
                 RECIP=res_k.device.type == "cuda", num_warps=4)

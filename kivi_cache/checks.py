@@ -9,6 +9,7 @@ the caller guarantees them (the cache does): out-of-range values there read or w
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -48,9 +49,11 @@ def check_pool(pool, key_bits: int, value_bits: int, group_size: int) -> tuple:
     d = shape_of("k_scale", pool[1], 4)[-1]
     g = group_size
     for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
-        if b not in ALLOWED_BITS:
+        if not _is_int(b) or b not in ALLOWED_BITS:
             raise ValueError(f"{name} must be one of {ALLOWED_BITS}, got {b!r}")
-    if not isinstance(g, int) or g < 1 or d % g or p % g:
+    if not _is_int(g) or g < 1:
+        raise ValueError(f"group_size must be an int >= 1 (tokens/channels per scale), got {g!r}")
+    if d % g or p % g:
         raise ValueError(f"group_size={g!r} must divide head_dim={d} and page_size={p}")
     want = ((np_, h, p, d * key_bits // 8), (np_, h, p // g, d), (np_, h, p // g, d),
             (np_, h, d, p * value_bits // 8), (np_, h, d // g, p), (np_, h, d // g, p))
@@ -65,6 +68,18 @@ def check_pool(pool, key_bits: int, value_bits: int, group_size: int) -> tuple:
             raise ValueError(f"{POOL_NAMES[b]} must have {POOL_NAMES[a]}'s dtype {pool[a].dtype}, got {pool[b].dtype}")
     check_device(pool[0].device, **dict(zip(POOL_NAMES, pool, strict=True)))
     return np_, h, p, d
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_sm_scale(sm_scale) -> None:
+    """The attention ops' softmax scale: a real number (or a one-element tensor)."""
+    if isinstance(sm_scale, bool) or not (isinstance(sm_scale, numbers.Real) or (
+            isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1)):
+        raise ValueError(f"sm_scale must be a real number (the softmax scale, e.g. 1 / sqrt(head_dim)), got "
+                         f"{sm_scale!r}")
 
 
 def values_checked(t: torch.Tensor) -> bool:
@@ -95,15 +110,17 @@ def check_write(k, v, pages, slots, pool, key_bits: int, value_bits: int, group_
                              f"{slots.tolist()}")
 
 
-def check_tables(block_table, lengths, np_: int, p: int, values: bool = True) -> int:
-    """block_table ``[B, W]`` and lengths ``[B]`` integers; by value (``values`` and :func:`values_checked`): ``0 <=
-    lengths[b] <= W * P`` and the pages of a sequence's tokens (its first ``ceil(lengths[b] / P)`` entries) in
-    ``[0, NP)``. Returns B."""
+def check_tables(block_table, lengths, np_: int, p: int, values: bool = True, device=None) -> int:
+    """block_table ``[B, W]`` and lengths ``[B]`` integers (on ``device``, the pool's, where given); by value
+    (``values`` and :func:`values_checked`): ``0 <= lengths[b] <= W * P`` and the pages of a sequence's tokens (its
+    first ``ceil(lengths[b] / P)`` entries) in ``[0, NP)``. Returns B."""
     bsz, width = shape_of("block_table", block_table, 2)
     check_dtype("block_table", block_table, INTS)
     if shape_of("lengths", lengths, 1) != (bsz,):
         raise ValueError(f"lengths must be [B={bsz}] (one per block-table row), got {list(lengths.shape)}")
     check_dtype("lengths", lengths, INTS)
+    if device is not None:
+        check_device(device, block_table=block_table, lengths=lengths)
     if values:
         table_values(block_table, lengths, np_, p)
     return bsz
@@ -124,9 +141,15 @@ def table_values(block_table, lengths, np_: int, p: int) -> None:
                              f"(-1 only past ceil(lengths / page_size)); got {block_table.tolist()}")
 
 
-def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bool = True) -> None:
+def check_max_len(max_len) -> None:
+    """dequantize_pages' ``max_len``: None (the longest sequence's length) or an int >= 0."""
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0):
+        raise ValueError(f"max_len must be None or an int >= 0 (the output's tokens per sequence), got {max_len!r}")
+
+
+def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bool = True, device=None) -> None:
     """res_k, res_v ``[B, H, C, D]`` floats; res_lengths ``[B]`` integers in ``[0, C]`` (by value, as in
-    :func:`check_tables`)."""
+    :func:`check_tables`); all on ``device`` where given."""
     c = shape_of("res_k", res_k, 4)[2]
     for name, t in (("res_k", res_k), ("res_v", res_v)):
         if tuple(t.shape) != (bsz, h, c, d):
@@ -136,6 +159,8 @@ def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bo
     if shape_of("res_lengths", res_lengths, 1) != (bsz,):
         raise ValueError(f"res_lengths must be [B={bsz}], got {list(res_lengths.shape)}")
     check_dtype("res_lengths", res_lengths, INTS)
+    if device is not None:
+        check_device(device, res_k=res_k, res_v=res_v, res_lengths=res_lengths)
     if values:
         window_values(res_lengths, c)
 
@@ -152,13 +177,12 @@ def check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, ke
     """The decode (q ``[B, Hq, D]``) and prefix (q ``[B, Hq, L, D]``) ops' shared arguments; ``values=False``: shapes,
     dtypes and devices only (:func:`attention_values` then checks the values)."""
     np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
-    bsz = check_tables(block_table, lengths, np_, p, values)
+    bsz = check_tables(block_table, lengths, np_, p, values, pool[0].device)
     if q.dim() not in (3, 4) or q.shape[0] != bsz or q.shape[-1] != d or q.shape[1] % max(h, 1):
         raise ValueError(f"q must be [B={bsz}, Hq (a multiple of KV heads {h}), (L,) D={d}], got {list(q.shape)}")
     check_dtype("q", q, FLOATS)
-    check_window(bsz, h, d, res_k, res_v, res_lengths, values)
-    check_device(pool[0].device, q=q, block_table=block_table, lengths=lengths, res_k=res_k, res_v=res_v,
-                 res_lengths=res_lengths)
+    check_device(pool[0].device, q=q)
+    check_window(bsz, h, d, res_k, res_v, res_lengths, values, pool[0].device)
 
 
 def check_sliding_window(sliding_window) -> None:
@@ -182,6 +206,24 @@ def check_sink_logits(sink_logits, q) -> None:
     check_device(q.device, sink_logits=sink_logits)
 
 
+def check_new_token(new_k, new_v, q, k_codes) -> None:
+    """paged_decode_attention's step token: neither, or both of new_k, new_v ``[B, Hkv, D]`` (or ``[B, Hkv, 1, D]``)
+    floats on the pool's device (``k_codes``: ``[NP, Hkv, P, D * bits // 8]``)."""
+    if new_k is None and new_v is None:
+        return
+    if new_k is None or new_v is None:
+        raise ValueError(f"new_k and new_v must be given together (the step's token), got "
+                         f"{'new_k' if new_v is None else 'new_v'} only")
+    want = (q.shape[0], k_codes.shape[1], q.shape[-1])
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (new_k, new_v)]
+    if shapes[0] not in (want, (*want[:2], 1, want[2])) or shapes[1] != shapes[0]:
+        raise ValueError(f"new_k/new_v must be [B={want[0]}, Hkv={want[1]}, D={want[2]}] (or both [B, Hkv, 1, D]); "
+                         f"got {shapes[0]} and {shapes[1]}")
+    check_dtype("new_k", new_k, FLOATS)
+    check_dtype("new_v", new_v, FLOATS)
+    check_device(k_codes.device, new_k=new_k, new_v=new_v)
+
+
 def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
     """The by-value part of :func:`check_attention` (where :func:`values_checked`)."""
     table_values(block_table, lengths, k_codes.shape[0], k_codes.shape[2])
@@ -189,7 +231,8 @@ def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
 
 
 def check_prefix_chunk(q, new_k, new_v, new_mask) -> None:
-    """paged_prefix_attention's chunk: new_k, new_v ``[B, Hkv, L, D]`` floats, new_mask ``[B, L, L]`` bool."""
+    """paged_prefix_attention's chunk: new_k, new_v ``[B, Hkv, L, D]`` floats, new_mask ``[B, L, L]`` bool, on q's
+    device."""
     bsz, hq, ql, d = shape_of("q", q, 4)
     h = new_k.shape[1] if new_k.dim() == 4 else 0
     for name, t in (("new_k", new_k), ("new_v", new_v)):
@@ -199,24 +242,58 @@ def check_prefix_chunk(q, new_k, new_v, new_mask) -> None:
     if shape_of("new_mask", new_mask, 3) != (bsz, ql, ql) or new_mask.dtype != torch.bool:
         raise ValueError(f"new_mask must be a bool [B={bsz}, L={ql}, L={ql}] tensor, got {list(new_mask.shape)} "
                          f"{new_mask.dtype}")
+    check_device(q.device, new_k=new_k, new_v=new_v, new_mask=new_mask)
 
 
 def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool, key_bits: int,
-                value_bits: int, group_size: int) -> None:
-    """append_and_flush's arguments (shapes, dtypes, devices; values as in :func:`check_tables`): the window is
-    written at ``res_lengths``, so those must be below its capacity."""
+                value_bits: int, group_size: int, residual_length: int, sink_length: int) -> None:
+    """append_and_flush's arguments (shapes, dtypes, devices; values as in :func:`check_tables`): a window of capacity
+    at least ``sink_length + residual_length + group_size``, written at ``res_lengths``, so those must be below its
+    capacity; ``0 <= sink_lengths <= sink_length``; and for each sequence that flushes this step, the page it writes
+    (``block_table[b, lengths[b] // P]``, the column clamped to the table) a page id, at a slot ``lengths[b] % P``
+    that is a multiple of G."""
     np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
-    bsz = check_tables(block_table, lengths, np_, p)
-    check_window(bsz, h, d, res_k, res_v, res_lengths)
+    bsz = check_tables(block_table, lengths, np_, p, device=pool[0].device)
+    check_window(bsz, h, d, res_k, res_v, res_lengths, device=pool[0].device)
     for name, t in (("new_k", new_k), ("new_v", new_v)):
         if tuple(t.shape) not in ((bsz, h, d), (bsz, h, 1, d)):
             raise ValueError(f"{name} must be [B={bsz}, H={h}, D={d}] (or [B, H, 1, D]), got {list(t.shape)}")
         check_dtype(name, t, FLOATS)
+    if new_v.shape != new_k.shape:
+        raise ValueError(f"new_v must be [B={bsz}, H={h}, D={d}] like new_k (or both [B, H, 1, D]), got "
+                         f"{list(new_v.shape)} and new_k {list(new_k.shape)}")
     if shape_of("sink_lengths", sink_lengths, 1) != (bsz,):
         raise ValueError(f"sink_lengths must be [B={bsz}], got {list(sink_lengths.shape)}")
     check_dtype("sink_lengths", sink_lengths, INTS)
     check_device(pool[0].device, new_k=new_k, new_v=new_v, res_k=res_k, res_v=res_v, res_lengths=res_lengths,
                  sink_lengths=sink_lengths, lengths=lengths, block_table=block_table)
-    if bsz and values_checked(res_lengths) and bool((res_lengths >= res_k.shape[2]).any()):
-        raise ValueError(f"res_lengths must be below the window capacity {res_k.shape[2]} (the step's token is "
+    for name, n in (("residual_length", residual_length), ("sink_length", sink_length)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    cap = res_k.shape[2]
+    if cap < sink_length + residual_length + group_size:
+        raise ValueError(f"res_k/res_v must be [B, H, >= sink_length + residual_length + group_size = "
+                         f"{sink_length + residual_length + group_size}, D]; got {list(res_k.shape)}")
+    if not bsz or not values_checked(res_lengths):
+        return
+    if bool((res_lengths >= cap).any()):
+        raise ValueError(f"res_lengths must be below the window capacity {cap} (the step's token is "
                          f"written there), got {res_lengths.tolist()}")
+    if bool(((sink_lengths < 0) | (sink_lengths > sink_length)).any()):
+        raise ValueError(f"sink_lengths must be in [0, sink_length={sink_length}], got {sink_lengths.tolist()}")
+    s = sink_lengths.long()
+    s = torch.where(s < sink_length, s + 1, s)
+    full = res_lengths.long() + 1 - s >= residual_length + group_size  # the sequences that flush this step
+    if not bool(full.any()):
+        return
+    ln = lengths.long()
+    if bool((full & (ln % group_size != 0)).any()):
+        raise ValueError(f"lengths of the sequences that flush this step must be multiples of group_size={group_size} "
+                         f"(the group goes to slot lengths % page_size), got {lengths[full].tolist()}")
+    col = (ln // p).clamp(max=block_table.shape[1] - 1)
+    page = block_table.long().gather(1, col[:, None])[:, 0]
+    bad = (full & ((page < 0) | (page >= np_))).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"the block_table entry a flush writes (sequence {b}, column {int(col[b])} = lengths // "
+                         f"page_size) must be a page id in [0, {np_}), got {int(page[b])}")

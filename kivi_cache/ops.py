@@ -94,12 +94,14 @@ def _call(name: str, device, *args, **kwargs):
         return getattr(mod, name)(*args, **kwargs)
     try:
         return getattr(mod, name)(*args, **kwargs)
-    except ValueError as exc:  # a shape or setting the kernels do not cover (e.g. head_dim 96)
+    except ValueError as exc:  # a shape or setting the kernels do not cover (e.g. head_dim 96), or a bad argument
+        # the reference checks the same arguments before writing anything: a bad one raises here, with no warning
+        out = getattr(reference, name)(*args, **kwargs)
         if name not in _unsupported_warned:
             warnings.warn(f"kivi_cache: {name} kernel does not support this configuration ({exc}); "
                           "using the torch reference", RuntimeWarning, stacklevel=3)
             _unsupported_warned.add(name)
-        return getattr(reference, name)(*args, **kwargs)
+        return out
 
 
 def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size):
@@ -127,7 +129,7 @@ def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_len
     attention over the last ``sliding_window`` stored tokens only; ``sink_logits`` (``[Hq]``): learned attention
     sinks, one more softmax logit per query head on no value (GPT-OSS; see
     :func:`kivi_cache.reference.paged_decode_attention`)."""
-    extra = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
+    extra = {} if new_k is None and new_v is None else dict(new_k=new_k, new_v=new_v)
     if sliding_window is not None:
         extra["sliding_window"] = sliding_window
     if sink_logits is not None:
@@ -175,7 +177,7 @@ class DecodeRunner:
                 if _backend == "triton":
                     raise
                 self.kernel = None
-        new = {} if new_k is None else dict(new_k=new_k, new_v=new_v)
+        new = {} if new_k is None and new_v is None else dict(new_k=new_k, new_v=new_v)
         return paged_decode_attention(q, self.block_table, self.lengths, *self.pool, res_k=self.res_k,
                                       res_v=self.res_v, res_lengths=res_lengths, sm_scale=sm_scale,
                                       sliding_window=self.sliding_window, sink_logits=sink_logits, **self.bits,

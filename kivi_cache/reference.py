@@ -89,7 +89,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     full``, the sinks as in 2.), with ``full`` as in 3. Checked by :func:`kivi_cache.checks.check_flush`.
     """
     checks.check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
-                       (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size)
+                       (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
+                       residual_length, sink_length)
     if new_k.dim() == 4:
         new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
     bsz = res_k.shape[0]
@@ -126,15 +127,16 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     """
     np_, _, p, _ = checks.check_pool((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits,
                                      group_size)
-    checks.check_tables(block_table, lengths, np_, p)
+    checks.check_tables(block_table, lengths, np_, p, device=k_codes.device)
+    checks.check_max_len(max_len)
     b = block_table.shape[0]
     _, h, p, _ = k_codes.shape
     d = k_scale.shape[-1]
-    t = int(lengths.max()) if max_len is None else max_len
+    t = (int(lengths.max()) if b else 0) if max_len is None else max_len
     if b == 0 or t == 0:
         empty = k_scale.new_zeros(b, h, t, d)
         return empty, empty.clone()
-    npages = -(-t // p)
+    npages = min(-(-t // p), block_table.shape[1])  # max_len may reach past the table: zeros there
     pages = block_table[:, :npages].long().clamp(min=0)  # [B, np]
 
     def gather(x):  # [NP, H, X, ...] -> [B, H, np * X, ...]
@@ -150,6 +152,9 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     v = dequantize_values(vc.permute(0, 2, 1, 4, 3).reshape(b, h, npages * p, d), gather_t(v_scale),
                           gather_t(v_zero), group_size)
     k, v = k[:, :, :t], v[:, :, :t]
+    if k.shape[2] < t:
+        k = torch.nn.functional.pad(k, (0, 0, 0, t - k.shape[2]))
+        v = torch.nn.functional.pad(v, (0, 0, 0, t - v.shape[2]))
     if bool((lengths.long() < t).any()):  # a sequence shorter than t: zero its positions past its length
         valid = (torch.arange(t, device=lengths.device)[None, :] < lengths[:, None].long())[:, None, :, None]
         k = torch.where(valid, k, 0)
@@ -182,7 +187,7 @@ def _attend(q, k, v, valid, sm_scale, sink_logits=None):
     grp = hq // hkv
     qf = q.float().reshape(bsz, hkv, grp * ql, d)
     scores = qf @ k.float().transpose(-1, -2) * sm_scale  # [B, Hkv, grp*L, S]
-    scores = scores.reshape(bsz, hkv, grp, ql, -1)
+    scores = scores.reshape(bsz, hkv, grp, ql, k.shape[2])  # (no -1: an empty batch has no elements)
     scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
     if sink_logits is not None:
         sink = sink_logits.float().reshape(1, hkv, grp, 1, 1).expand(bsz, hkv, grp, ql, 1)
@@ -192,7 +197,7 @@ def _attend(q, k, v, valid, sm_scale, sink_logits=None):
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     if sink_logits is not None:
         probs = probs[..., :-1]  # the sink's weight: in the sum, on no value
-    probs = probs.reshape(bsz, hkv, grp * ql, -1)
+    probs = probs.reshape(bsz, hkv, grp * ql, k.shape[2])
     out = probs @ v.float()
     return out.reshape(bsz, hq, ql, d)
 
@@ -203,8 +208,10 @@ def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v
                               key_bits, value_bits, group_size)
     t = hk.shape[2]
     c = res_k.shape[2]
-    k = torch.cat([hk.to(res_k.dtype), res_k], dim=2)
-    v = torch.cat([hv.to(res_v.dtype), res_v], dim=2)
+    # the window's slots past res_lengths hold no token (anything: NaN would pass through a zero weight): zeros
+    win = (torch.arange(c, device=res_k.device)[None, :] < res_lengths[:, None].long())[:, None, :, None]
+    k = torch.cat([hk.to(res_k.dtype), torch.where(win, res_k, 0)], dim=2)
+    v = torch.cat([hv.to(res_v.dtype), torch.where(win, res_v, 0)], dim=2)
     pos = torch.arange(t + c, device=res_k.device)
     valid = torch.where(pos[None, :] < t, pos[None, :] < lengths[:, None].long(),
                         (pos[None, :] - t) < res_lengths[:, None].long())
@@ -223,7 +230,7 @@ def _in_window(index, query_index, window):
 
 def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
-                           sm_scale: float, new_k=None, new_v=None, merge: bool = True,
+                           sm_scale: float, *, new_k=None, new_v=None, merge: bool = True,
                            sliding_window: int | None = None, sink_logits=None):
     """One query token per sequence over its quantized pages and residual window.
 
@@ -242,9 +249,11 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
                            res_v, res_lengths, key_bits, value_bits, group_size)
     checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     checks.check_sink_logits(sink_logits, q)
+    checks.check_new_token(new_k, new_v, q, k_codes)
     if new_k is not None:
         if new_k.dim() == 4:
             new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
@@ -262,7 +271,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
-                           group_size: int, sm_scale: float, sliding_window: int | None = None, sink_logits=None):
+                           group_size: int, sm_scale: float, *, sliding_window: int | None = None, sink_logits=None):
     """Several query tokens over a quantized past plus their own (full precision) chunk.
 
     q: ``[B, Hq, L, D]``; new_k/new_v: ``[B, Hkv, L, D]``; new_mask: ``[B, L, L]``
@@ -276,6 +285,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                            res_v, res_lengths, key_bits, value_bits, group_size)
     checks.check_prefix_chunk(q, new_k, new_v, new_mask)
     checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
     checks.check_sink_logits(sink_logits, q)
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                   res_k, res_v, res_lengths, key_bits, value_bits, group_size)

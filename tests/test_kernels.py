@@ -100,6 +100,23 @@ def test_available():
     assert K.available()
 
 
+def test_kernels_take_the_references_arguments():
+    """kernels/__init__.py: each public function is the twin of the reference's, "same signature ... a few extra
+    keyword-only tuning arguments": the reference's parameters, in its order, of the same kind and default, and the
+    extra ones keyword-only (before, the reference took its optional arguments after sm_scale positionally, the
+    kernels only by keyword: a call written against the reference failed on the kernels with TypeError)."""
+    import inspect
+
+    for name in ("quantize_and_write", "append_and_flush", "dequantize_pages", "paged_decode_attention",
+                 "paged_prefix_attention"):
+        kern = inspect.signature(getattr(K, name)).parameters
+        ref = inspect.signature(getattr(R, name)).parameters
+        assert [n for n in kern if n in ref] == list(ref), name
+        for n, p in ref.items():
+            assert (kern[n].kind, kern[n].default) == (p.kind, p.default), (name, n)
+        assert all(p.kind == p.KEYWORD_ONLY for n, p in kern.items() if n not in ref), name
+
+
 def test_head_dim_rejected():
     d = 96
     pool = make_pool(2, 1, 32, d, 32, 4, 4, torch.float16)
@@ -265,6 +282,30 @@ def test_dequantize_pages(kb, vb):
             torch.testing.assert_close(a.float(), b_.float(), rtol=1e-3, atol=1e-3)
 
 
+def test_dequantize_pages_empty_batch_and_max_len_past_the_table():
+    """An empty batch, and max_len past what the block table covers (zeros there): the reference as the kernels
+    (before, it raised RuntimeError: ``lengths.max()`` of no sequences, a reshape past the table), the attention ops
+    through it too; a negative max_len is a ValueError in both (before: the reference returned T=0, the kernels
+    RuntimeError)."""
+    g, p, d, h = 32, 64, 64, 1
+    lengths = torch.tensor([96, 32], dtype=torch.int32, device=DEV)
+    bt, np_ = make_block_table(lengths.tolist(), p, width=2)
+    pool = make_pool(np_, h, p, d, g, 4, 4, torch.float16)
+    for impl in (K, R):
+        k, v = impl.dequantize_pages(bt, lengths, *pool, 4, 4, g, max_len=300)  # the table covers 128 tokens
+        assert k.shape == v.shape == (2, h, 300, d), impl.__name__
+        assert not k[:, :, 96:].any() and not v[:, :, 96:].any() and not k[1, :, 32:].any()
+        torch.testing.assert_close(k[:, :, :96], R.dequantize_pages(bt, lengths, *pool, 4, 4, g)[0])
+        k, v = impl.dequantize_pages(bt[:0], lengths[:0], *pool, 4, 4, g)
+        assert k.shape == v.shape == (0, h, 0, d), impl.__name__
+        with pytest.raises(ValueError, match="max_len must be None or an int >= 0"):
+            impl.dequantize_pages(bt, lengths, *pool, 4, 4, g, max_len=-1)
+    q = torch.randn(0, 2, d, device=DEV, dtype=torch.float16)
+    win = torch.randn(0, h, 4, d, device=DEV, dtype=torch.float16)
+    out = R.paged_decode_attention(q, bt[:0], lengths[:0], *pool, win, win, lengths[:0], 4, 4, g, 0.125)
+    assert out.shape == (0, 2, d)
+
+
 def test_dequantize_pages_fp32_scales():
     g, p, d, h = 32, 32, 64, 1
     lengths = torch.tensor([64, 32], device=DEV)
@@ -313,6 +354,15 @@ def test_decode_num_splits(splits):
     # more splits than pages leaves empty splits; a wide block table with -1 padding
     args = decode_case(2, 1, 4, 64, 32, 32, 2, 4, torch.float32, [96, 224], [4, 0], width=9)
     run_decode(args, f"decode splits{splits}", num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [-1, 0, 2.5, "3"])
+def test_decode_num_splits_is_checked(splits):
+    """num_splits: None (automatic) or an int >= 1. Before, -1 gave a silent wrong answer (no context split read),
+    0 was taken as automatic, a float or a string failed inside the plan with TypeError."""
+    args = decode_case(2, 1, 2, 64, 64, 32, 4, 4, torch.float16, [96, 160], [3, 5])
+    with pytest.raises(ValueError, match="num_splits must be None \\(automatic\\) or an int >= 1"):
+        K.paged_decode_attention(*args, num_splits=splits)
 
 
 @pytest.mark.parametrize("bsz,hq,d,nsp1,dtype", [(2, 3, 64, 3, torch.float16), (2, 3, 128, 301, torch.float32),
@@ -479,6 +529,64 @@ def test_prefix_attention(dtype, kb, vb):
         assert torch.isfinite(out).all()
         err = rel_err(out, ref, f"prefix {dtype}")
         assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("batch_slice", [-1, 0, 1.5])
+def test_prefix_batch_slice_is_checked(batch_slice):
+    """batch_slice: None or an int >= 1. Before, -1 returned the uninitialized output (no slice ran), 0 and 1.5 failed
+    in range() with its own message."""
+    args = decode_case(2, 1, 2, 64, 64, 32, 4, 4, torch.float16, [96, 0], [3, 5])
+    q = torch.randn(2, 2, 3, 64, device=DEV).to(torch.float16)
+    new = torch.randn(2, 1, 3, 64, device=DEV).to(torch.float16)
+    mask = torch.ones(2, 3, 3, dtype=torch.bool, device=DEV)
+    with pytest.raises(ValueError, match="batch_slice must be None \\(by memory\\) or an int >= 1"):
+        K.paged_prefix_attention(q, *args[1:12], new, new, mask, *args[12:], batch_slice=batch_slice)
+
+
+def test_window_slots_past_res_lengths_never_reach_the_output():
+    """The window's slots at and past res_lengths hold no token: an engine's ``torch.empty`` window may hold anything
+    there, NaN included. Decode and prefix attention, kernels and reference, give what they give over a zeroed
+    window (before: NaN from the reference, decode and prefix, and from the prefix kernel: a zero weight times NaN)."""
+    bsz, hkv, grp, d, p, g, ql, dt = 2, 1, 2, 64, 64, 32, 3, torch.float16
+    args = list(decode_case(bsz, hkv, grp, d, p, g, 4, 4, dt, [64, 32], [3, 0], c=8))
+    res_k, res_v, rl = args[9], args[10], args[11]
+    for b, r in enumerate(rl.tolist()):
+        res_k[b, :, r:] = 0
+        res_v[b, :, r:] = 0
+    poisoned = [x.clone() for x in (res_k, res_v)]
+    for b, r in enumerate(rl.tolist()):
+        for x in poisoned:
+            x[b, :, r:] = float("nan")
+    q = torch.randn(bsz, hkv * grp, ql, d, device=DEV).to(dt)
+    new = torch.randn(bsz, hkv, ql, d, device=DEV).to(dt)
+    mask = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV))[None].repeat(bsz, 1, 1)
+    for impl in (K, R):
+        want = impl.paged_decode_attention(*args)
+        got = impl.paged_decode_attention(*args[:9], *poisoned, *args[11:])
+        assert torch.equal(got, want), f"decode {impl.__name__}"
+        pa = [q, *args[1:9]], [rl, new, new, mask, 4, 4, g, 0.125]
+        want = impl.paged_prefix_attention(*pa[0], res_k, res_v, *pa[1])
+        got = impl.paged_prefix_attention(*pa[0], *poisoned, *pa[1])
+        assert torch.equal(got, want), f"prefix {impl.__name__}"
+
+
+def test_prefix_query_with_nothing_to_attend_to_gives_zeros():
+    """A chunk query that sees nothing (its own and every new token masked, no stored token in its sliding window, or
+    none stored): zeros, as the reference (before, the kernels' path gave the value of its buffer's first key)."""
+    bsz, hkv, grp, d, p, g, ql, dt = 2, 1, 2, 64, 64, 32, 3, torch.float16
+    args = decode_case(bsz, hkv, grp, d, p, g, 4, 4, dt, [64, 32], [3, 1], c=4)
+    q = torch.randn(bsz, hkv * grp, ql, d, device=DEV).to(dt)
+    new = torch.randn(bsz, hkv, ql, d, device=DEV).to(dt)
+    mask = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV))[None].repeat(bsz, 1, 1)
+    mask[0, 1] = False  # query 1 of sequence 0: padding
+    none = torch.zeros(bsz, dtype=torch.int32, device=DEV)
+    empty = torch.zeros(bsz, hkv, 0, d, device=DEV, dtype=dt)
+    for hist, kw in ((list(args[1:12]), dict(sliding_window=1)), ([args[1], none, *args[3:9], empty, empty, none], {})):
+        pa = (q, *hist, new, new, mask, 4, 4, g, 0.125)
+        ref = R.paged_prefix_attention(*pa, **kw)
+        out = K.paged_prefix_attention(*pa, **kw)
+        assert not out[0, :, 1].any() and not ref[0, :, 1].any()
+        assert rel_err(out, ref, "prefix nothing to attend to") < TOL[dt]
 
 
 def test_zz_report_max_errors():

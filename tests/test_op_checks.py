@@ -73,6 +73,8 @@ DECODE_CASES = {
     "window_lengths_per_row": (dict(res_lengths=ints(3)), "res_lengths must be \\[B=2\\]"),
     "pool_bits": (dict(pool=pool(4, kb=2, vb=2)), "k_codes must be"),
     "q_device": (dict(q=torch.randn(2, 2, D, device="meta").to(DT)), "q is on meta"),
+    "table_device": (dict(block_table=ints(0, 1, 2, -1).view(2, 2).to("meta")), "block_table is on meta"),
+    "window_device": (dict(res_lengths=ints(3, 5).to("meta")), "res_lengths is on meta"),
 }
 
 
@@ -100,6 +102,8 @@ def test_prefix_and_dequantize_reject_bad_arguments(mod):
                                    a["res_lengths"], new, new, mask, 4, 4, G, 0.125)
     with pytest.raises(ValueError, match="lengths must be in"):
         mod.dequantize_pages(a["block_table"], ints(-32, 0), *a["pool"], 4, 4, G)
+    with pytest.raises(ValueError, match="block_table is on meta"):  # before: NotImplementedError (reading it)
+        mod.dequantize_pages(a["block_table"].to("meta"), a["lengths"], *a["pool"], 4, 4, G)
 
 
 def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
@@ -116,3 +120,243 @@ def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
                                        group_size=G, sm_scale=0.125)
     finally:
         ops.set_backend("auto")
+
+
+def zero_points_strided_apart(pl, which):
+    """``pl`` with its key (``which=2``) or value (``which=5``) zero points a view of a tensor of two heads: the same
+    values and shape as before, other strides than their scales'."""
+    pl = list(pl)
+    pl[which] = torch.cat([pl[which], torch.zeros_like(pl[which])], dim=1)[:, :1]
+    return pl
+
+
+@pytest.mark.parametrize("which", [2, 5], ids=["k_zero", "v_zero"])
+def test_kernels_reject_zero_points_strided_unlike_their_scales(which):
+    """The kernels index each zero-point tensor with its scales' strides: before, a k_zero/v_zero view strided
+    otherwise gave a silent wrong answer (decode, dequantize) or was written in the wrong places (quantize_and_write;
+    the same with the scales the wider one: heap corruption)."""
+    name = ("k_zero", "v_zero")[which == 5]
+    pl = zero_points_strided_apart(pool(4), which)
+    a = decode_args(pool=pl)
+    with pytest.raises(ValueError, match=f"{name} must have .*strides"):
+        K.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"],
+                                 a["res_lengths"], 4, 4, G, 0.125)
+    with pytest.raises(ValueError, match=f"{name} must have .*strides"):
+        K.dequantize_pages(a["block_table"], a["lengths"], *pl, 4, 4, G)
+    before = [t.clone() for t in pl]
+    kv = torch.randn(1, 1, G, D).to(DT)
+    with pytest.raises(ValueError, match=f"{name} must have .*strides"):
+        K.quantize_and_write(kv, kv, ints(0), ints(0), *pl, 4, 4, G)
+    assert unchanged(before, pl)
+
+
+@pytest.mark.parametrize("which", range(6), ids=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"])
+def test_kernels_reject_a_pool_tensor_without_a_contiguous_last_dim(which):
+    """Every kernel reads the pool's rows as contiguous: a tensor that is not raises a ValueError naming it (before,
+    dequantize_pages gave a silent wrong answer and decode a RuntimeError of ``view`` or an unnamed message)."""
+    name = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")[which]
+    pl = pool(4)
+    pl[which] = pl[which].transpose(2, 3).contiguous().transpose(2, 3)
+    a = decode_args(pool=pl)
+    with pytest.raises(ValueError, match=f"{name} must have a contiguous last dimension"):
+        K.dequantize_pages(a["block_table"], a["lengths"], *pl, 4, 4, G)
+    with pytest.raises(ValueError, match=f"{name} must have a contiguous last dimension"):
+        K.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"],
+                                 a["res_lengths"], 4, 4, G, 0.125)
+
+
+NEW_TOKEN_CASES = {  # name: (new_k, new_v) -> the error
+    "new_v_missing": (lambda n: (n, None), "new_k and new_v must be given together"),
+    "new_k_missing": (lambda n: (None, n), "new_k and new_v must be given together"),
+    "int_dtype": (lambda n: (n.int(), n.int()), "new_k must have dtype"),
+    "new_v_dtype": (lambda n: (n, n.to(torch.float64)), "new_v must have dtype"),
+    "head_dim": (lambda n: (n[..., :32], n[..., :32]), "new_k/new_v must be \\[B=2, Hkv=1, D=64\\]"),
+    "device": (lambda n: (n.to("meta"), n.to("meta")), "new_k is on meta"),
+    "mixed_dims": (lambda n: (n[:, :, None], n), "new_k/new_v must be"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(NEW_TOKEN_CASES))
+def test_decode_rejects_a_bad_step_token_before_writing(mod, case):
+    """paged_decode_attention's new_k/new_v (the step's token, written into the window): checked like the other
+    arguments. Before, the reference wrote res_k and then failed on a missing new_v (TypeError), took any dtype or
+    device, and failed on a shape with torch's message; the kernels took any dtype and failed on another device with
+    NotImplementedError."""
+    make, match = NEW_TOKEN_CASES[case]
+    a = decode_args()
+    new_k, new_v = make(torch.randn(2, 1, D).to(DT))
+    before = [a["res_k"].clone(), a["res_v"].clone()]
+    with pytest.raises(ValueError, match=match):
+        mod.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"],
+                                   a["res_lengths"], 4, 4, G, 0.125, new_k=new_k, new_v=new_v)
+    assert unchanged(before, [a["res_k"], a["res_v"]]), "the window was written before the error"
+
+
+def test_ops_pass_a_lone_new_v_on():
+    """kivi_cache.ops (op and DecodeRunner): new_v without new_k reaches the checks (before, it was dropped: the
+    step's value never written, no error)."""
+    from kivi_cache import ops
+
+    a = decode_args()
+    new = torch.randn(2, 1, D).to(DT)
+    kw = dict(res_k=a["res_k"], res_v=a["res_v"], key_bits=4, value_bits=4, group_size=G)
+    with pytest.raises(ValueError, match="new_k and new_v must be given together"):
+        ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_lengths=a["res_lengths"],
+                                   sm_scale=0.125, new_v=new, **kw)
+    run = ops.DecodeRunner(a["block_table"], a["lengths"], *a["pool"], **kw)
+    with pytest.raises(ValueError, match="new_k and new_v must be given together"):
+        run(a["q"], a["res_lengths"], 0.125, new_v=new)
+
+
+@pytest.mark.parametrize("name", ["block_table", "lengths", "res_lengths", "res_k", "k_zero", "out"])
+def test_decode_kernel_checks_devices_also_when_it_reuses_a_plan(name):
+    """The kernels' decode op plans once per key (shapes, strides, dtypes, settings) and checks on a new key only:
+    the key held q's device alone, so after a good call a block table, lengths, window or pool tensor (or ``out``) on
+    another device reached the kernel unchecked (here NotImplementedError; on a GPU a host pointer)."""
+    a = decode_args()
+    args = dict(q=a["q"], block_table=a["block_table"], lengths=a["lengths"], res_k=a["res_k"], res_v=a["res_v"],
+                res_lengths=a["res_lengths"])
+    pl = list(a["pool"])
+
+    def call(**kw):
+        return K.paged_decode_attention(args["q"], args["block_table"], args["lengths"], *pl, args["res_k"],
+                                        args["res_v"], args["res_lengths"], 4, 4, G, 0.125, **kw)
+
+    call(out=torch.empty_like(a["q"]))  # plans
+    kw = {}
+    if name == "out":
+        kw["out"] = torch.empty_like(a["q"], device="meta")
+    elif name == "k_zero":
+        pl[2] = pl[2].to("meta")
+    else:
+        args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} .*meta"):
+        call(**kw)
+
+
+def flush_args(**over):
+    """append_and_flush's arguments: window capacity 42 = sinks 2 + residual 8 + group 32; sequence 0's window is full
+    after this step's token (a flush into page block_table[0, lengths[0] // P] at slot lengths[0] % P)."""
+    cap = 2 + 8 + G
+    new = torch.randn(2, 1, D).to(DT)
+    a = dict(new_k=new, new_v=new, res_k=torch.randn(2, 1, cap, D).to(DT),
+             res_v=torch.randn(2, 1, cap, D).to(DT), res_lengths=ints(cap - 1, 5), sink_lengths=ints(2, 2),
+             lengths=ints(96, 32), block_table=ints(0, 1, -1, 2, -1, -1).view(2, 3), pool=pool(4))
+    a.update(over)
+    return a
+
+
+FLUSH_CASES = {
+    # the flushing sequence's next page entry is -1: before, the kernel wrote at page -1 (heap corruption) and the
+    # reference wrote the window, then raised
+    "page_minus_1": (dict(lengths=ints(128, 32)), "block_table entry .*sequence 0.*column 2.* -1"),
+    # a flush at slot lengths % P = 36, no multiple of G: the kernel wrote the group across the page's end
+    "misaligned": (dict(lengths=ints(100, 32)), "lengths .*flush.* multiples of group_size=32.*\\[100\\]"),
+    # a negative sink count: the flush read and moved window rows before the window's start
+    "negative_sinks": (dict(sink_lengths=ints(-5, 2)), "sink_lengths must be in \\[0, sink_length=2\\]"),
+    # the reference took a window too small for its sinks, residual and group
+    "capacity": (dict(res_k=torch.randn(2, 1, 41, D).to(DT), res_v=torch.randn(2, 1, 41, D).to(DT),
+                      res_lengths=ints(3, 5)), "res_k/res_v must be \\[B, H, >= sink_length \\+ residual_length"),
+    # new_k [B, H, 1, D], new_v [B, H, D]: the reference wrote res_k, then failed on res_v with torch's RuntimeError;
+    # the kernels named the shapes after dropping new_k's token axis from both ([2, 1] for new_v)
+    "token_shapes": (dict(new_k=torch.randn(2, 1, 1, D).to(DT)), "new_v must be \\[B=2, H=1, D=64\\] like new_k"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(FLUSH_CASES))
+def test_append_and_flush_checks_where_it_flushes_before_writing(mod, case):
+    over, match = FLUSH_CASES[case]
+    a = flush_args(**over)
+    state = [*a["pool"], a["res_k"], a["res_v"]]
+    before = [t.clone() for t in state]
+    with pytest.raises(ValueError, match=match):
+        mod.append_and_flush(a["new_k"], a["new_v"], a["res_k"], a["res_v"], a["res_lengths"], a["sink_lengths"],
+                             a["lengths"], a["block_table"], *a["pool"], 4, 4, G, 8, 2)
+    assert unchanged(before, state), "written before the error"
+
+
+SCALAR_CASES = {  # before: the reference failed inside torch (NotImplementedError: "rshift_cpu" not implemented for
+    # 'Float'; TypeError), the kernels took 4.0 and 32.0 silently on a plan made for 4 and 32, or said "could not
+    # convert string to float", and group_size=32.0 was said not to divide head_dim 64
+    "key_bits_float": (dict(key_bits=4.0), "key_bits must be one of \\(2, 4, 8\\), got 4.0"),
+    "value_bits_str": (dict(value_bits="4"), "value_bits must be one of \\(2, 4, 8\\), got '4'"),
+    "group_size_float": (dict(group_size=32.0), "group_size must be an int >= 1 .*got 32.0"),
+    "sm_scale_str": (dict(sm_scale="0.125"), "sm_scale must be a real number"),
+    "sm_scale_none": (dict(sm_scale=None), "sm_scale must be a real number"),
+}
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case", list(SCALAR_CASES))
+def test_attention_rejects_bad_scalar_arguments(mod, case):
+    over, match = SCALAR_CASES[case]
+    a = decode_args()
+    s = dict(key_bits=4, value_bits=4, group_size=G, sm_scale=0.125)
+    head = (a["q"], a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"], a["res_lengths"])
+    mod.paged_decode_attention(*head, *s.values())  # a plan for the good arguments (the kernels)
+    s.update(over)
+    with pytest.raises(ValueError, match=match):
+        mod.paged_decode_attention(*head, *s.values())
+    q = a["q"][:, :, None]
+    new = torch.randn(2, 1, 1, D).to(DT)
+    with pytest.raises(ValueError, match=match):
+        mod.paged_prefix_attention(q, *head[1:], new, new, torch.ones(2, 1, 1, dtype=torch.bool), *s.values())
+
+
+@pytest.mark.parametrize("case", ["dtype", "device"])
+def test_kernel_dequantize_pages_checks_its_out_tensors(case):
+    """kernels.dequantize_pages(out=(k, v)): floating tensors on the pool's device, else a ValueError naming out
+    (before: integer outputs were filled with truncated values, and outputs on another device raised
+    NotImplementedError here, on a GPU Triton's error about a CPU pointer)."""
+    a = decode_args()
+    bad = dict(dtype=dict(dtype=torch.int8), device=dict(dtype=DT, device="meta"))[case]
+    out = (torch.empty(2, 1, 96, D, **bad), torch.empty(2, 1, 96, D, **bad))
+    with pytest.raises(ValueError, match="out tensors must be"):
+        K.dequantize_pages(a["block_table"], a["lengths"], *a["pool"], 4, 4, G, out=out)
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("name", ["new_k", "new_v", "new_mask"])
+def test_prefix_checks_the_chunks_devices(mod, name):
+    """paged_prefix_attention's chunk (new_k, new_v, new_mask) on another device: a ValueError naming it (before, the
+    reference raised torch's RuntimeError from torch.cat, the kernels copied it across devices or, here,
+    NotImplementedError)."""
+    a = decode_args()
+    chunk = dict(new_k=torch.randn(2, 1, 3, D).to(DT), new_v=torch.randn(2, 1, 3, D).to(DT),
+                 new_mask=torch.ones(2, 3, 3, dtype=torch.bool))
+    chunk[name] = chunk[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} is on meta"):
+        mod.paged_prefix_attention(torch.randn(2, 2, 3, D).to(DT), a["block_table"], a["lengths"], *a["pool"],
+                                   a["res_k"], a["res_v"], a["res_lengths"], *chunk.values(), 4, 4, G, 0.125)
+
+
+def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
+    """kivi_cache.ops in "auto" on a GPU falls back to the reference, with one warning per op, where the kernels
+    reject a configuration they do not cover. A bad argument (rejected by both backends) went the same way: the
+    warning "kernel does not support this configuration (...); using the torch reference", then the reference's
+    ValueError, and the op's one warning used up for later real fallbacks. Now the error alone. (The kernels under
+    the interpreter stand in for CUDA here.)"""
+    import warnings
+
+    from kivi_cache import ops
+
+    monkeypatch.setattr(ops, "_impl", lambda device_type: K)
+    monkeypatch.setattr(ops, "_unsupported_warned", set())
+    a = decode_args(res_lengths=ints(3, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="res_lengths must be in"):
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"],
+                                       res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+                                       group_size=G, sm_scale=0.125)
+    assert not ops._unsupported_warned
+    pl = zero_points_strided_apart(pool(4), 2)  # the kernels do not cover it, the reference does: warned, answered
+    a = decode_args(pool=pl)
+    with pytest.warns(RuntimeWarning, match="does not support this configuration"):
+        out = ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, res_k=a["res_k"],
+                                         res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+                                         group_size=G, sm_scale=0.125)
+    assert torch.equal(out, R.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"],
+                                                     a["res_v"], a["res_lengths"], 4, 4, G, 0.125))
