@@ -180,7 +180,7 @@ def torch_partials(pool, q, kb, vb, g, sm_scale, ns):
     o = torch.zeros(bsz, hq, ns, d)
     for b in range(bsz):
         n = int(pool["lengths"][b])
-        pps = -(-(-(-n // PAGE)) // ns)
+        pps = triton.cdiv(triton.cdiv(n, PAGE), ns)
         for sp in range(ns):
             t0, t1 = sp * pps * PAGE, min((sp + 1) * pps * PAGE, n)
             if t1 <= t0:
@@ -253,7 +253,7 @@ def save():
 
 def check(label, err):
     ok = err <= args.tol
-    log(f"  {label}: rel max err {err:.2e} {'ok' if ok else 'FAIL (> %.0e)' % args.tol}")
+    log(f"  {label}: rel max err {err:.2e} {'ok' if ok else f'FAIL (> {args.tol:.0e})'}")
     if not ok:
         failures.append(dict(check=label, err=err))
     return err
@@ -293,7 +293,7 @@ def dry_run():
         nargs = 28 + sum(x in fn.arg_names for x in ("KBITS", "VBITS"))  # what gluon_runner passes
         ok = len(fn.arg_names) == nargs
         log(f"variant {n}: {env} -> gd_{n}: PF={int(mod.PF)} VFOLD={int(mod.VFOLD)}, {len(fn.arg_names)} kernel "
-            f"arguments ({'ok' if ok else 'MISMATCH, launcher passes %d' % nargs}), 2-bit: {'KBITS' in fn.arg_names}")
+            f"arguments ({'ok' if ok else f'MISMATCH, launcher passes {nargs}'}), 2-bit: {'KBITS' in fn.arg_names}")
         if not ok:
             failures.append(dict(check=f"variant {n} arguments", err=len(fn.arg_names)))
 
@@ -311,7 +311,7 @@ def gpu_run():
         q = q4[:, :, 0].contiguous()
         kf = torch.randn(b, hkv, ctx, D, device=DEV, dtype=torch.float16)
         vf = torch.randn(b, hkv, ctx, D, device=DEV, dtype=torch.float16)
-        t_sdpa = statistics.median(graph_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+        t_sdpa = statistics.median(graph_bench(lambda q4=q4, kf=kf, vf=vf: torch.nn.functional.scaled_dot_product_attention(
             q4, kf, vf, enable_gqa=True), rep=args.rep) for _ in range(args.rounds))
         del kf, vf
         for kb, vb, g in bit_settings:
