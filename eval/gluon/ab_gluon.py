@@ -311,9 +311,11 @@ def gpu_run():
         q = q4[:, :, 0].contiguous()
         kf = torch.randn(b, hkv, ctx, D, device=DEV, dtype=torch.float16)
         vf = torch.randn(b, hkv, ctx, D, device=DEV, dtype=torch.float16)
-        t_sdpa = statistics.median(graph_bench(lambda q4=q4, kf=kf, vf=vf: torch.nn.functional.scaled_dot_product_attention(
-            q4, kf, vf, enable_gqa=True), rep=args.rep) for _ in range(args.rounds))
-        del kf, vf
+        def sdpa(q4=q4, kf=kf, vf=vf):
+            return torch.nn.functional.scaled_dot_product_attention(q4, kf, vf, enable_gqa=True)
+
+        t_sdpa = statistics.median(graph_bench(sdpa, rep=args.rep) for _ in range(args.rounds))
+        del kf, vf, sdpa
         for kb, vb, g in bit_settings:
             tag = f"{shape} k{kb}v{vb}g{g}"
             gen = torch.Generator(device=DEV).manual_seed(0)
