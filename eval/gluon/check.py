@@ -30,7 +30,7 @@ VARIANTS = ({}, {"GD_PF": "1"}, {"GD_PF": "1", "R": "168"}, {"GD_PF": "2"}, {"GD
 LOG2E = 1.4426950408889634
 
 
-def make_case(bsz=4, hkv=8, pages_per_seq=8, device="cpu", seed=0, lengths=None):
+def make_case(bsz=4, hkv=8, pages_per_seq=8, device="cpu", seed=0, lengths=None, kbits=BITS, vbits=BITS):
     gen = torch.Generator().manual_seed(seed)
     npool = bsz * pages_per_seq + 3
     hq = hkv * GROUP
@@ -38,8 +38,8 @@ def make_case(bsz=4, hkv=8, pages_per_seq=8, device="cpu", seed=0, lengths=None)
     def rnd(*shape):
         return torch.randn(*shape, generator=gen)
 
-    k_codes = torch.randint(0, 256, (npool, hkv, P, D * BITS // 8), generator=gen, dtype=torch.uint8)
-    v_codes = torch.randint(0, 256, (npool, hkv, D, P * BITS // 8), generator=gen, dtype=torch.uint8)
+    k_codes = torch.randint(0, 256, (npool, hkv, P, D * kbits // 8), generator=gen, dtype=torch.uint8)
+    v_codes = torch.randint(0, 256, (npool, hkv, D, P * vbits // 8), generator=gen, dtype=torch.uint8)
     k_scale = (rnd(npool, hkv, P // G, D).abs() * 0.1 + 0.02).half()
     k_zero = (rnd(npool, hkv, P // G, D) * 0.5).half()
     v_scale = (rnd(npool, hkv, D // G, P).abs() * 0.1 + 0.02).half()
@@ -54,14 +54,17 @@ def make_case(bsz=4, hkv=8, pages_per_seq=8, device="cpu", seed=0, lengths=None)
     res_len = torch.zeros(bsz, dtype=torch.int32)
     t = dict(q=q, block_table=block_table, lengths=lengths, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero,
              v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, res_k=res_k, res_v=res_v, res_lengths=res_len)
-    return {k: v.to(device) for k, v in t.items()}
+    t = {k: v.to(device) for k, v in t.items()}
+    t["bits"] = (kbits, vbits)
+    return t
 
 
 def ref_out(c, sm_scale):
     args = [c[k] for k in ("q", "block_table", "lengths", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
                            "v_zero", "res_k", "res_v", "res_lengths")]
     f32 = [a.float() if a.is_floating_point() else a for a in args]
-    return reference.paged_decode_attention(*f32, BITS, BITS, G, sm_scale).float()
+    kb, vb = c.get("bits", (BITS, BITS))
+    return reference.paged_decode_attention(*f32, kb, vb, G, sm_scale).float()
 
 
 # ---------------------------------------------------------------------------------------------- index maps (kernel)
@@ -213,6 +216,111 @@ def emulate(c, sm_scale, ns, vfold=False):
     return out
 
 
+# ------------------------------------------------------------------------- transposed kernel, 4- and 2-bit codes
+def t_key_slots(kbits):
+    """The transposed kernel's K slot s -> (word of the token row, bit shift of the code, channel), as its tile
+    algebra builds them (_key_tile_t / _key_tile2_t): the code of slot s is (word >> shift) & (2**bits - 1)."""
+    s = torch.arange(D)
+    e, c, x = s % 2, (s // 2) % 4, (s // 8) % 2
+    if kbits == 4:  # s = e + 2c + 8x + 16wt + 64p: word 4c + wt, nibble p of bytes (x, x + 2)
+        wt, pl = (s // 16) % 4, s // 64
+        word = 4 * c + wt
+        return word, 16 * e + 8 * x + 4 * pl, 64 * pl + 4 * word + x + 2 * e
+    # s = e + 2c + 8x + 16wt + 32k: word 2c + wt, field k of bytes (x, x + 2)
+    wt, k = (s // 16) % 2, s // 32
+    word = 2 * c + wt
+    return word, 16 * e + 8 * x + 2 * k, 32 * k + 4 * word + x + 2 * e
+
+
+def t_value_slots(vbits):
+    """V^T slot s -> (word of the channel row, bit shift, token of the step) (_value_tile_t / _value_group2_t)."""
+    s = torch.arange(P)
+    e, c, x = s % 2, (s // 2) % 4, (s // 8) % 2
+    if vbits == 4:  # s = e + 2c + 8x + 16p + 32u: word 2c + u
+        pl, u = (s // 16) % 2, s // 32
+        word = 2 * c + u
+        return word, 16 * e + 8 * x + 4 * pl, 8 * word + 4 * pl + 2 * x + e
+    k = s // 16  # s = e + 2c + 8x + 16k: word c
+    return c, 16 * e + 8 * x + 2 * k, 16 * c + 4 * k + 2 * x + e
+
+
+def t_deq(codes, bits, s, z):
+    """The unpack's arithmetic: (2**bits + c) * s + (z - 2**bits s), the fold and the fma each rounded to fp16."""
+    zf = (z.float() - (1 << bits) * s.float()).half()
+    return (((1 << bits) + codes).float() * s.float() + zf.float()).half()
+
+
+def emulate_t(c, sm_scale, ns):
+    """The transposed kernel (gluon_decode_t_kernel, default flags) per (b, h, split) with its index maps, for the
+    case's bits (4 or 2): whole steps, then the masked partial step; the partials merged as decode_reduce does."""
+    kb, vb = c["bits"]
+    q, bt, lengths = c["q"], c["block_table"], c["lengths"]
+    kw = c["k_codes"].view(torch.int32)  # [NP, H, P, D * kb / 32]
+    vw = c["v_codes"].view(torch.int32)  # [NP, H, D, P * vb / 32]
+    bsz, hq, _ = q.shape
+    hkv = kw.shape[1]
+    qk = sm_scale * LOG2E
+    kword, kshift, kch = t_key_slots(kb)
+    vword, vshift, vtok = t_value_slots(vb)
+    rows = torch.arange(64)
+    tok = key_token(rows)  # S^T row n (= P^T row = value slot n) -> token
+    out = torch.zeros(bsz, hq, D)
+    for b in range(bsz):
+        n_len = int(lengths[b])
+        npg = -(-n_len // P)
+        pps = -(-npg // ns)
+        for h in range(hkv):
+            qperm = q[b, h * GROUP:(h + 1) * GROUP].half()[:, kch]  # q's columns in slot order
+            ms, ls, os_ = [], [], []
+            for sp in range(ns):
+                t0 = sp * pps * P
+                t1 = min(t0 + pps * P, n_len)
+                t_full = t0 + max(t1 - t0, 0) // P * P
+                m = torch.full((GROUP,), -math.inf)
+                l_ = torch.zeros(GROUP)
+                o = torch.zeros(GROUP, D)
+                starts = list(range(t0, t_full, P)) + ([t_full] if t1 > t_full else [])
+                for start in starts:
+                    lim = t1 - start
+                    page = int(bt[b, start // P])
+                    words = kw[page, h][tok][:, kword]  # [64 rows, 128 slots]: row n's token, slot s's word
+                    codes = (words >> kshift[None, :]) & ((1 << kb) - 1)
+                    grp = (tok // G)[:, None]
+                    kt = t_deq(codes, kb, c["k_scale"][page, h][grp, kch[None, :]],
+                               c["k_zero"][page, h][grp, kch[None, :]])  # K [64 rows, 128 slots]
+                    st = qperm.float() @ kt.float().T  # S [4, 64 rows]
+                    if lim < P:
+                        st = torch.where((tok < lim)[None, :], st, -math.inf)
+                    m_new = torch.maximum(m, st.max(1).values * qk)
+                    alpha = torch.exp2(m - m_new)
+                    pm = torch.exp2(st * qk - m_new[:, None])
+                    l_ = l_ * alpha + pm.sum(1)
+                    m = m_new
+                    p16 = pm.half()  # P^T row n = value slot n
+                    vwd = vw[page, h][:, vword]  # [128 channels, 64 slots]
+                    vcodes = (vwd >> vshift[None, :]) & ((1 << vb) - 1)
+                    gch = (torch.arange(D) // G)[:, None]
+                    vsc = c["v_scale"][page, h][gch, vtok[None, :]]
+                    vzz = c["v_zero"][page, h][gch, vtok[None, :]]
+                    if lim < P:  # the masked step zeroes the scale and zero pairs of tokens past the end
+                        keep = (vtok < lim)[None, :]
+                        vsc = torch.where(keep, vsc, torch.zeros_like(vsc))
+                        vzz = torch.where(keep, vzz, torch.zeros_like(vzz))
+                    vt = t_deq(vcodes, vb, vsc, vzz)  # V^T [128, 64 slots]
+                    o = o * alpha[:, None] + p16.float() @ vt.float().T
+                ms.append(m)
+                ls.append(l_)
+                os_.append(o)
+            mm = torch.stack(ms)
+            top = mm.max(0).values
+            top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+            wgt = torch.exp2(mm - top)
+            num = (wgt[:, :, None] * torch.stack(os_)).sum(0)
+            den = (wgt * torch.stack(ls)).sum(0)
+            out[b, h * GROUP:(h + 1) * GROUP] = num / den[:, None]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- GPU launch
 def gluon_decode(c, sm_scale, ns, transposed):
     import gluon_decode as gd
@@ -265,6 +373,16 @@ def main():
             print(f"emulation NS={ns} VFOLD={int(vf)}: max |emu - ref| = {err:.3e} "
                   f"(ref max {ref.abs().max().item():.3f})")
             assert err < 2e-2, err
+        # the transposed kernel's maps for 4- and 2-bit codes, partial last steps included (emulate_t)
+        lens = torch.tensor([3 * P, 2 * P - 17], dtype=torch.int32)
+        for kb, vb in ((4, 4), (2, 2), (4, 2), (2, 4)):
+            c = make_case(bsz=2, hkv=2, pages_per_seq=3, lengths=lens, kbits=kb, vbits=vb)
+            ref = ref_out(c, sm_scale)
+            for ns in (1, 2):
+                err = (emulate_t(c, sm_scale, ns) - ref).abs().max().item() / ref.abs().max().item()
+                print(f"emulation (transposed) {kb}/{vb} bits NS={ns} lengths {lens.tolist()}: max |emu - ref| / "
+                      f"max |ref| = {err:.3e}")
+                assert err < 1e-2, err
         print("emulation OK: index maps and unpack arithmetic match kivi_cache.reference")
         return
     from kivi_cache.kernels import paged_decode_attention
