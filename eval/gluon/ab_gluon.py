@@ -31,6 +31,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -62,7 +63,12 @@ ap.add_argument("--slice-tokens", type=int, default=2048)
 ap.add_argument("--tol", type=float, default=1e-2)
 ap.add_argument("--out", default=None)
 ap.add_argument("--dry-run", action="store_true", help="CPU: tiny pools; reference, torch partials and the "
-                "existing merge (under the Triton interpreter); no Gluon launch, no timing")
+                "existing merge (under the Triton interpreter); each variant's module and its sm_90 compile; no "
+                "Gluon launch, no timing")
+ap.add_argument("--build-check", action="store_true", help="CPU: only each variant's module and sm_90 build "
+                "(part of --dry-run, in a child process)")
+ap.add_argument("--sim", action="store_true", help="CPU test of this script: the GPU path on tiny shapes with the "
+                "Gluon launch replaced by torch partials and graph replays by wall-clock calls (interpreter)")
 args = ap.parse_args()
 
 
@@ -88,10 +94,16 @@ shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
 
 import torch  # noqa: E402
 
-if not args.dry_run and not torch.cuda.is_available():
+if args.sim:
+    args.dry_run = False
+    if args.shapes == ap.get_default("shapes"):
+        args.shapes = "2x2x256,1x4x320"
+        shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    args.slice_tokens = min(args.slice_tokens, 128)
+if not args.dry_run and not args.sim and not args.build_check and not torch.cuda.is_available():
     sys.exit("ab_gluon: no CUDA device (torch.cuda.is_available() is False). This script times the Gluon kernel on "
              "a GPU; on a CPU use --dry-run (tiny pools, reference and merge only).")
-if args.dry_run and not torch.cuda.is_available():
+if (args.dry_run or args.sim) and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any triton.jit function is defined: decode_reduce on the CPU
 
 sys.path.insert(0, ROOT)
@@ -105,6 +117,20 @@ from kivi_cache.kernels import attention as KA  # noqa: E402
 from kivi_cache.kernels import paged_decode_attention  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SIM = args.sim and DEV.type == "cpu"
+
+
+def bench(fn):
+    """graph_bench (GPU), or one wall-clock call in ms (--sim on the CPU)."""
+    if SIM:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return graph_bench(fn, rep=args.rep)
+
+
+def num_sms():
+    return 132 if SIM else torch.cuda.get_device_properties(DEV).multi_processor_count
 
 
 def log(*a):
@@ -150,6 +176,15 @@ def gluon_runner(mod, env, pool, q, kb, vb, g, sm_scale, ns):
     ws_l = torch.empty(rows, ns, device=q.device, dtype=torch.float32)
     extra = {"maxnreg": int(env["R"])} if env.get("R") else {}
     bt, lengths = pool["block_table"], pool["lengths"]
+
+    if SIM:  # the CPU test of this script: what the kernel should write, from torch
+        def launch():
+            m, l_, o = torch_partials(pool, q, kb, vb, g, sm_scale, ns)
+            ws_m.copy_(m)
+            ws_l.copy_(l_)
+            ws_o.copy_(o)
+
+        return launch, (ws_m, ws_l, ws_o)
 
     def launch():
         fn[(bsz * hkv, ns)](q, bt, lengths, kw, ks, kz, vw, vs, vz, ws_m, ws_l, ws_o, sm_scale * LOG2E, hkv, ns,
@@ -262,9 +297,46 @@ def check(label, err):
     return err
 
 
+def build_check():
+    """Each variant's module copy (its flags, its argument list) and its sm_90 build per bit setting (no GPU)."""
+    for n, env in variants:  # the module copies import on the CPU (no launch): flags and the argument list
+        mod = load_gluon(n, env)
+        fn = mod.gluon_decode_t_kernel
+        nargs = 28 + sum(x in fn.arg_names for x in ("KBITS", "VBITS"))  # what gluon_runner passes
+        ok = len(fn.arg_names) == nargs
+        log(f"variant {n}: {env} -> gd_{n}: PF={int(mod.PF)} VFOLD={int(mod.VFOLD)}, {len(fn.arg_names)} kernel "
+            f"arguments ({'ok' if ok else f'MISMATCH, launcher passes {nargs}'}), 2-bit: {'KBITS' in fn.arg_names}")
+        if not ok:
+            failures.append(dict(check=f"variant {n} arguments", err=len(fn.arg_names)))
+        for kb, vb, _g in bit_settings:  # the sm_90 build (no GPU needed): registers and spills per bit setting
+            if vb == 2 and (int(mod.VFOLD) or int(mod.VEARLY)):
+                continue
+            try:
+                import sass_gluon
+                t0 = time.time()
+                k = sass_gluon.compile_kernel(fn, dict(GROUP=4, VALUES=1, KBITS=kb, VBITS=vb),
+                                              int(env["R"]) if env.get("R") else None)
+                res, sass = sass_gluon.disassemble(k)
+                loop = next((c for c in sass_gluon.loops(sass) if any(x.startswith("HMMA") for x in c[1])), (0,))
+                usage = " ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res))
+                log(f"  {n} k{kb}v{vb}: sm_90 build {time.time() - t0:.1f} s (Triton {triton.__version__}): "
+                    f"{usage}, paged loop {loop[0]} instructions")
+            except Exception as e:  # noqa: BLE001
+                log(f"  {n} k{kb}v{vb}: sm_90 build FAILED: {type(e).__name__}: {str(e)[:1500]}")
+                failures.append(dict(check=f"variant {n} k{kb}v{vb} build", err=str(e)[:300]))
+
+
 def dry_run():
     log("dry run (CPU, Triton interpreter for the existing kernels): tiny pools, reference, torch partials merged "
         "by decode_reduce and by torch; no Gluon launch, no timing")
+    # the variants' modules and sm_90 builds in a child process without the interpreter (with TRITON_INTERPRET=1,
+    # triton.language's combine functions are interpreted functions and a Gluon build fails)
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--build-check", "--variants", args.variants,
+                        "--bits", args.bits], env=env)
+    if r.returncode:
+        failures.append(dict(check="variants' sm_90 builds (--build-check)", err=f"rc {r.returncode}"))
     gen = torch.Generator(device=DEV).manual_seed(0)
     sm = D ** -0.5
     for b, hkv, ctx in ((2, 2, 256), (1, 4, 320)):
@@ -290,15 +362,6 @@ def dry_run():
             ref_s = ref_out(sub, q[:2], rk[:2], rv[:2], rl[:2], kb, vb, g, sm)
             cur_s = paged_decode_attention(*op_args(sub, q[:2], rk[:2], rv[:2], rl[:2], kb, vb, g, sm))
             check("slice: existing op (interpreter) vs reference", rel_err(cur_s, ref_s))
-    for n, env in variants:  # the module copies import on the CPU (no launch): flags and the argument list
-        mod = load_gluon(n, env)
-        fn = mod.gluon_decode_t_kernel
-        nargs = 28 + sum(x in fn.arg_names for x in ("KBITS", "VBITS"))  # what gluon_runner passes
-        ok = len(fn.arg_names) == nargs
-        log(f"variant {n}: {env} -> gd_{n}: PF={int(mod.PF)} VFOLD={int(mod.VFOLD)}, {len(fn.arg_names)} kernel "
-            f"arguments ({'ok' if ok else f'MISMATCH, launcher passes {nargs}'}), 2-bit: {'KBITS' in fn.arg_names}")
-        if not ok:
-            failures.append(dict(check=f"variant {n} arguments", err=len(fn.arg_names)))
 
 
 def gpu_run():
@@ -317,7 +380,7 @@ def gpu_run():
         def sdpa(q4=q4, kf=kf, vf=vf):
             return torch.nn.functional.scaled_dot_product_attention(q4, kf, vf, enable_gqa=True)
 
-        t_sdpa = statistics.median(graph_bench(sdpa, rep=args.rep) for _ in range(args.rounds))
+        t_sdpa = statistics.median(bench(sdpa) for _ in range(args.rounds))
         del kf, vf, sdpa
         for kb, vb, g in bit_settings:
             tag = f"{shape} k{kb}v{vb}g{g}"
@@ -344,8 +407,7 @@ def gpu_run():
                 try:
                     nsv = ns
                     if env.get("RES"):
-                        nsv = KA.split_count(b, hkv, ctx, torch.cuda.get_device_properties(DEV).multi_processor_count,
-                                             int(env["RES"]), 1)
+                        nsv = KA.split_count(b, hkv, ctx, num_sms(), int(env["RES"]), 1)
                     sl, (m_, l_, o_) = gluon_runner(mods[n], env, sub, q[:nb], kb, vb, g, sm, ns)
                     sl()
                     out_s = torch.empty(nb, HQ, D, device=DEV, dtype=torch.float16)
@@ -372,7 +434,7 @@ def gpu_run():
             times = {n: [] for n in fns}
             for _ in range(args.rounds):
                 for n, f in fns.items():
-                    times[n].append(graph_bench(f, rep=args.rep))
+                    times[n].append(bench(f))
             base = statistics.median(times["cur"])
             for n in fns:
                 t = statistics.median(times[n])
@@ -388,7 +450,9 @@ def gpu_run():
         log(f"-- {shape} done at {time.time() - t_start:.0f} s")
 
 
-if args.dry_run:
+if args.build_check:
+    build_check()
+elif args.dry_run:
     dry_run()
 else:
     gpu_run()
