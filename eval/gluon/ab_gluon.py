@@ -55,7 +55,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--shapes", default="32x8x32768,8x32x32768,8x8x32768,1x8x131072", help="BxHkvxCTX,...")
 ap.add_argument("--bits", default="4/4/32,2/2/32", help="kbits/vbits/group,... (the Gluon kernel: 4 or 2 bits, "
                 "group 32: 4/4/32, 2/2/32, 4/2/32, 2/4/32)")
-ap.add_argument("--variants", default="pf1",
+ap.add_argument("--variants", default="pf1,pf1res12",
                 help=f"Gluon variants, comma-separated: names of {sorted(VARIANTS)} or name:KEY=VAL;KEY=VAL")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--rep", type=int, default=100, help="graph_bench rep (ms of replays per measurement)")
@@ -407,7 +407,7 @@ def gpu_run():
                 try:
                     nsv = ns
                     if env.get("RES"):
-                        nsv = KA.split_count(b, hkv, ctx, num_sms(), int(env["RES"]), 1)
+                        nsv = KA.split_count(b, hkv, ctx, num_sms(), int(env["RES"]), 0)  # no window programs
                     sl, (m_, l_, o_) = gluon_runner(mods[n], env, sub, q[:nb], kb, vb, g, sm, ns)
                     sl()
                     out_s = torch.empty(nb, HQ, D, device=DEV, dtype=torch.float16)
