@@ -321,6 +321,89 @@ def emulate_t(c, sm_scale, ns):
     return out
 
 
+def tile_algebra_check():
+    """The kernel's join/reshape/permute/split sequences (gluon_decode.py's _key_tile_t, _key_tile2_t,
+    _value_tile_t, _value_group2_t, _split8, _split4) replayed on labelled torch tensors (gl.join = stack on a new
+    last dim, gl.split = the two halves of the last dim, reshape row-major): every (row, slot) of each operand tile
+    must hold the (word, bit shift) that t_key_slots / t_value_slots say, every scale tile the right pair. Checks the
+    order conventions that Gluon's trivial-conversion asserts do not (they only prove the layouts are consistent)."""
+    join = torch.stack
+
+    def unpack4(w):  # _UNPACK outputs: (x, p) = q0k0, q1k0, q0k1, q1k1, each (lo, hi); label word * 64 + shift
+        return [w * 64 + 16 * e + 8 * x + 4 * pl for pl in (0, 1) for x in (0, 1) for e in (0, 1)]
+
+    def unpack2(w, x):  # _UNPACK2_X<x> outputs: k0 lo, hi, k1 lo, hi, ...
+        return [w * 64 + 16 * e + 8 * x + 2 * k for k in range(4) for e in (0, 1)]
+
+    def j3(a0, a1, b0, b1, c0, c1, d0, d1):
+        return join([join([join([a0, a1], -1), join([b0, b1], -1)], -1),
+                     join([join([c0, c1], -1), join([d0, d1], -1)], -1)], -1)
+
+    def j4(x0, x1):
+        a0, a1, b0, b1, c0, c1, d0, d1 = x0
+        e0, e1, f0, f1, g0, g1, i0, i1 = x1
+        kk = [join([join([a0, a1], -1), join([e0, e1], -1)], -1), join([join([b0, b1], -1), join([f0, f1], -1)], -1),
+              join([join([c0, c1], -1), join([g0, g1], -1)], -1), join([join([d0, d1], -1), join([i0, i1], -1)], -1)]
+        return join([join([kk[0], kk[1]], -1), join([kk[2], kk[3]], -1)], -1)
+
+    rows = torch.arange(64)
+    # keys, 4 bits: words [8 j, 2 g, 4 nl, 16 w]
+    w = torch.arange(16).expand(8, 2, 4, 16)
+    x = j3(*unpack4(w))
+    x = x.reshape(8, 2, 4, 4, 4, 2, 2, 2).permute(0, 1, 2, 7, 4, 6, 3, 5).reshape(64, 128)
+    word, shift, _ = t_key_slots(4)
+    assert torch.equal(x, (word * 64 + shift).expand(64, 128)), "4-bit key tile"
+    # keys, 2 bits: words [8 j, 2 g, 4 nl, 8 w]
+    w = torch.arange(8).expand(8, 2, 4, 8)
+    x = j4(unpack2(w, 0), unpack2(w, 1))
+    x = x.reshape(8, 2, 4, 4, 2, 2, 2, 2, 2).permute(0, 1, 2, 8, 7, 4, 6, 3, 5).reshape(64, 128)
+    word, shift, _ = t_key_slots(2)
+    assert torch.equal(x, (word * 64 + shift).expand(64, 128)), "2-bit key tile"
+    # the rows: n = 8j + 4g + nl of the word tiles, the token order of their loads (key_token) is the kernel's
+    assert torch.equal(torch.arange(8)[:, None, None] * 8 + torch.arange(2)[None, :, None] * 4
+                       + torch.arange(4)[None, None, :], rows.reshape(8, 2, 4)), "key rows"
+    # values, 4 bits: words [4 jl, 8 r, 4 c, 2 u] = word 2c + u of channel row 8 jl + r
+    w = (torch.arange(4)[:, None] * 2 + torch.arange(2)[None, :]).expand(4, 8, 4, 2)
+    x = j3(*unpack4(w)).permute(0, 1, 3, 6, 5, 2, 4).reshape(32, 64)
+    word, shift, tok = t_value_slots(4)
+    assert torch.equal(x, (word * 64 + shift).expand(32, 64)), "4-bit value tile"
+    assert torch.equal(tok, key_token(rows)), "4-bit value slots -> tokens = pi (P^T rows)"
+    # values, 2 bits: words [4 jl, 8 r, 4 c, 1] = word c
+    w = torch.arange(4)[:, None].expand(4, 8, 4, 1)
+    x = j4(unpack2(w, 0), unpack2(w, 1)).reshape(4, 8, 4, 2, 2, 2, 2).permute(0, 1, 6, 5, 4, 2, 3).reshape(32, 64)
+    word, shift, tok = t_value_slots(2)
+    assert torch.equal(x, (word * 64 + shift).expand(32, 64)), "2-bit value tile"
+    assert torch.equal(tok, key_token(rows)), "2-bit value slots -> tokens = pi (P^T rows)"
+
+    def split(t):
+        return t[..., 0], t[..., 1]
+
+    # value scale pairs of a lane: [1, 1, 4 c, 8] runs of pairs 8c + i (a pair = tokens 2i, 2i + 1 of the row)
+    run = (torch.arange(4)[:, None] * 8 + torch.arange(8)[None, :]).reshape(1, 1, 4, 8)
+    # _split4 (4 bits): (q0k0, q1k0, q0k1, q1k1) as [1, 1, 4, 2 u]: word 2c + u, pair (q, k) = pair 4(2c + u) + 2k + q
+    xq0, xq1 = split(run.reshape(1, 1, 4, 2, 2, 2))
+    q0k0, q0k1 = split(xq0)
+    q1k0, q1k1 = split(xq1)
+    wd = (torch.arange(4)[:, None] * 2 + torch.arange(2)[None, :]).reshape(1, 1, 4, 2)
+    for t, (q, k) in zip((q0k0, q1k0, q0k1, q1k1), ((0, 0), (1, 0), (0, 1), (1, 1))):
+        assert torch.equal(t, 4 * wd + 2 * k + q), "_split4"
+    # _split8 (2 bits): (q0k0..q0k3, q1k0..q1k3) as [1, 1, 4, 1]: word c, pair (q, k) = pair 8c + 2k + q
+    xq0, xq1 = split(run.reshape(1, 1, 4, 2, 2, 2))
+    out = []
+    for xq in (xq0, xq1):
+        a0, a1 = split(xq)
+        a00, a10 = split(a0)
+        a01, a11 = split(a1)
+        out += [a00, a01, a10, a11]
+    c4 = torch.arange(4).reshape(1, 1, 4)
+    for i, t in enumerate(out):
+        q, k = i // 4, i % 4
+        assert torch.equal(t, 8 * c4 + 2 * k + q), "_split8"
+    # the unpack takes, for byte pair x and field k, the scale pair of tokens (.., 2x + 4k ..) of its word: pair
+    # 2k + x of the word's 8 pairs (2 bits; 4 bits: 2p + x), as _value_group2_t / _value_group_t pass them
+    print("tile algebra OK: operand tiles, value slot -> token maps and scale splits as the index maps say")
+
+
 # ---------------------------------------------------------------------------------------------------- GPU launch
 def gluon_decode(c, sm_scale, ns, transposed):
     import gluon_decode as gd
@@ -370,6 +453,7 @@ def main():
         return
     sm_scale = 1 / math.sqrt(D)
     if a.emulate:
+        tile_algebra_check()
         c = make_case(bsz=2, hkv=2, pages_per_seq=3)
         ref = ref_out(c, sm_scale)
         for ns, vf in ((1, False), (2, False), (2, True)):
