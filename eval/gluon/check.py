@@ -385,7 +385,7 @@ def tile_algebra_check():
     q0k0, q0k1 = split(xq0)
     q1k0, q1k1 = split(xq1)
     wd = (torch.arange(4)[:, None] * 2 + torch.arange(2)[None, :]).reshape(1, 1, 4, 2)
-    for t, (q, k) in zip((q0k0, q1k0, q0k1, q1k1), ((0, 0), (1, 0), (0, 1), (1, 1))):
+    for t, (q, k) in zip((q0k0, q1k0, q0k1, q1k1), ((0, 0), (1, 0), (0, 1), (1, 1)), strict=True):
         assert torch.equal(t, 4 * wd + 2 * k + q), "_split4"
     # _split8 (2 bits): (q0k0..q0k3, q1k0..q1k3) as [1, 1, 4, 1]: word c, pair (q, k) = pair 8c + 2k + q
     xq0, xq1 = split(run.reshape(1, 1, 4, 2, 2, 2))
