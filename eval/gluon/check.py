@@ -8,9 +8,11 @@
     env GD_PF=0|1|2, GD_VFOLD, GD_PAD, GD_PADP, ... select the kernel variants (gluon_decode.py's flags), R=168 caps
     the registers (12 one-warp programs per SM)
 
-Scope of the spike: 4/4 bits, group 32, head_dim 128, page 64, GQA 4 (32 query heads / 8 KV heads), fp16, no
-residual window (res_lengths = 0); the partials are merged in torch. The FA2-form kernel handles whole 64-token
-steps only (lengths multiples of 64); the transposed kernel also the partial last step.
+Scope of the spike: 4/4 bits (the transposed kernel also 2/2, 4/2, 2/4: KBITS/VBITS), group 32, head_dim 128,
+page 64, GQA 4 (32 query heads / 8 KV heads), fp16, no residual window (res_lengths = 0); the partials are merged in
+torch. The FA2-form kernel handles whole 64-token steps only (lengths multiples of 64); the transposed kernel also
+the partial last step. --emulate: tile_algebra_check (the kernel's join/reshape/permute/split sequences on labelled
+tensors), emulate (FA2 form, 4-bit, as before) and emulate_t (transposed kernel, 4- and 2-bit codes, partial steps).
 """
 
 import argparse
