@@ -3,7 +3,10 @@ against the existing ``kivi_cache.kernels.paged_decode_attention``, with fp16 SD
 
     . eval/device_env.sh && python3 eval/gluon/ab_gluon.py --out $OUT/ab_gluon.json           # H200, < 4 min
     python3 eval/gluon/ab_gluon.py --variants pf0,pf1,pf1r168,pf2 --out ...                # more Gluon variants
-    python eval/gluon/ab_gluon.py --dry-run          # CPU: tiny pools, reference, torch partials + merge only
+    python eval/gluon/ab_gluon.py --dry-run          # CPU: tiny pools, reference, torch partials + merge, and
+                                                     # each variant's sm_90 build (child process)
+    python eval/gluon/ab_gluon.py --sim              # CPU: the GPU path on tiny shapes, torch partials in place
+                                                     # of the Gluon launch, wall-clock calls in place of graphs
 
 Per shape (batch x KV heads x context; 32 query heads, head_dim 128, page 64) and bit setting:
 * the pool of ``eval/bench_kernels.make_pool`` (all ``context`` tokens in pages) and an EMPTY residual window
@@ -24,6 +27,7 @@ Per shape (batch x KV heads x context; 32 query heads, head_dim 128, page 64) an
 Gluon variants: ``gluon_decode.py`` reads its flags (GD_PF, GD_VFOLD, ...) at import, so each variant is a separate
 copy of the module loaded under its own name with its env set (Triton's cache key includes those constexpr globals);
 ``R`` (maxnreg) and ``RES`` (split count for that residency) are launch-side settings of this script.
+The JSON is rewritten after every shape and bit setting; none is started after ``--max-s`` seconds (420).
 """
 
 import argparse
@@ -61,6 +65,8 @@ ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--rep", type=int, default=100, help="graph_bench rep (ms of replays per measurement)")
 ap.add_argument("--slice-tokens", type=int, default=2048)
 ap.add_argument("--tol", type=float, default=1e-2)
+ap.add_argument("--max-s", type=float, default=420, help="no new shape / bit setting is started after this many "
+                "seconds (the device command's limit is 600 s; what was measured is saved)")
 ap.add_argument("--out", default=None)
 ap.add_argument("--dry-run", action="store_true", help="CPU: tiny pools; reference, torch partials and the "
                 "existing merge (under the Triton interpreter); each variant's module and its sm_90 compile; no "
@@ -373,6 +379,10 @@ def gpu_run():
         log(f"variant {n}: {env} -> module gd_{n} (PF={int(mods[n].PF)}, VFOLD={int(mods[n].VFOLD)})")
     for b, hkv, ctx in shapes:
         shape = f"{b}x{hkv}x{ctx}"
+        if time.time() - t_start > args.max_s:
+            log(f"{shape}: skipped, {time.time() - t_start:.0f} s > --max-s {args.max_s:.0f}")
+            failures.append(dict(check=f"{shape} not run (--max-s)", err="time"))
+            continue
         q4 = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.float16)
         q = q4[:, :, 0].contiguous()
         kf = torch.randn(b, hkv, ctx, D, device=DEV, dtype=torch.float16)
@@ -384,6 +394,10 @@ def gpu_run():
         del kf, vf, sdpa
         for kb, vb, g in bit_settings:
             tag = f"{shape} k{kb}v{vb}g{g}"
+            if time.time() - t_start > args.max_s:
+                log(f"{tag}: skipped, {time.time() - t_start:.0f} s > --max-s {args.max_s:.0f}")
+                failures.append(dict(check=f"{tag} not run (--max-s)", err="time"))
+                continue
             gen = torch.Generator(device=DEV).manual_seed(0)
             pool = make_pool(b, hkv, ctx, D, PAGE, g, kb, vb, DEV, gen)
             rk = torch.zeros(b, hkv, g, D, device=DEV, dtype=torch.float16)
