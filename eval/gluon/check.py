@@ -2,6 +2,7 @@
 
     python eval/gluon/check.py --emulate     # CPU: a torch emulation of the kernels' index maps and unpack
                                              # arithmetic against kivi_cache.reference (no Gluon)
+    python eval/gluon/check.py --sabotage    # CPU: emulate_t with broken 2-bit maps must miss the reference
     python eval/gluon/check.py [--bench]     # GPU (Triton 3.6): both Gluon kernels against the reference, and the
                                              # existing kivi_cache.kernels.paged_decode_attention; --bench times them
     python eval/gluon/check.py --all [--bench]   # the same under every variant of VARIANTS (subprocesses)
@@ -406,6 +407,39 @@ def tile_algebra_check():
     print("tile algebra OK: operand tiles, value slot -> token maps and scale splits as the index maps say")
 
 
+def sabotage_check(sm_scale):
+    """emulate_t with one 2-bit index map broken on purpose at a time: each must miss the reference by far more than
+    the 1e-2 the checks allow (the emulation is sensitive to the maps it vouches for)."""
+    global t_key_slots, t_value_slots
+    ok_k, ok_v = t_key_slots, t_value_slots
+    s = torch.arange(D)
+    e, c, x, wt, k = s % 2, (s // 2) % 4, (s // 8) % 2, (s // 16) % 2, s // 32
+    sv = torch.arange(P)
+    ev, cv, xv, kv = sv % 2, (sv // 2) % 4, (sv // 8) % 2, sv // 16
+    broken = {  # name -> (key map, value map) for 2-bit codes
+        "key words c + 4wt": (lambda kb: (c + 4 * wt, ok_k(kb)[1], ok_k(kb)[2]), ok_v),
+        "q permutation (x, e swapped)": (lambda kb: (ok_k(kb)[0], ok_k(kb)[1], 32 * k + 4 * (2 * c + wt) + 2 * x + e),
+                                         ok_v),
+        "key field shift 4k": (lambda kb: (ok_k(kb)[0], 16 * e + 8 * x + 4 * (k % 2), ok_k(kb)[2]), ok_v),
+        "value token of the scales (e flipped)": (
+            ok_k, lambda vb: (cv, ok_v(vb)[1], 16 * cv + 4 * kv + 2 * xv + 1 - ev)),
+        "value fields/byte pairs swapped (slot != pi)": (
+            ok_k, lambda vb: (cv, 16 * ev + 8 * (kv % 2) + 2 * (2 * (kv // 2) + xv), ok_v(vb)[2])),
+    }
+    lens = torch.tensor([3 * P, 2 * P - 17], dtype=torch.int32)
+    case = make_case(bsz=2, hkv=2, pages_per_seq=3, lengths=lens, kbits=2, vbits=2)
+    ref = ref_out(case, sm_scale)
+    try:
+        for name, (km, vm) in broken.items():
+            t_key_slots, t_value_slots = km, vm
+            err = ((emulate_t(case, sm_scale, 2) - ref).abs().max() / ref.abs().max()).item()
+            print(f"sabotage: {name}: relative error {err:.3f}")
+            assert err > 5e-2, (name, err)
+    finally:
+        t_key_slots, t_value_slots = ok_k, ok_v
+    print("sabotage OK: every broken 2-bit map is caught")
+
+
 # ---------------------------------------------------------------------------------------------------- GPU launch
 def gluon_decode(c, sm_scale, ns, transposed):
     import gluon_decode as gd
@@ -443,6 +477,7 @@ def gluon_decode(c, sm_scale, ns, transposed):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--emulate", action="store_true")
+    ap.add_argument("--sabotage", action="store_true", help="CPU: emulate_t with broken 2-bit maps must fail")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--all", action="store_true", help="re-run (check, and --bench) under every variant's env")
     a = ap.parse_args()
@@ -454,6 +489,9 @@ def main():
             print(f"=== {env or 'defaults'}: rc {r.returncode}", flush=True)
         return
     sm_scale = 1 / math.sqrt(D)
+    if a.sabotage:
+        sabotage_check(sm_scale)
+        return
     if a.emulate:
         tile_algebra_check()
         c = make_case(bsz=2, hkv=2, pages_per_seq=3)
