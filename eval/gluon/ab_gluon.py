@@ -193,7 +193,7 @@ def gluon_runner(mod, env, pool, q, kb, vb, g, sm_scale, ns):
         return launch, (ws_m, ws_l, ws_o)
 
     def launch():
-        fn[(bsz * hkv, ns)](q, bt, lengths, kw, ks, kz, vw, vs, vz, ws_m, ws_l, ws_o, sm_scale * LOG2E, hkv, ns,
+        return fn[(bsz * hkv, ns)](q, bt, lengths, kw, ks, kz, vw, vs, vz, ws_m, ws_l, ws_o, sm_scale * LOG2E, hkv, ns,
                             q.stride(0), q.stride(1), bt.stride(0), kw.stride(0), kw.stride(1), ks.stride(0),
                             ks.stride(1), vw.stride(0), vw.stride(1), vs.stride(0), vs.stride(1),
                             GROUP=hq // hkv, VALUES=1, num_warps=1, **bits, **extra)
@@ -286,7 +286,9 @@ meta = dict(torch=torch.__version__, triton=triton.__version__,
             merge="Gluon partials merged by kivi_cache.kernels.attention.decode_reduce (timed, as the existing "
                   "op's merge kernel); the existing op also runs its empty window program per pair",
             splits="Gluon NS = the existing op's automatic paged split count, unless a variant sets RES",
-            head_dim=D, q_heads=HQ, page=PAGE)
+            head_dim=D, q_heads=HQ, page=PAGE,
+            mode=("SIM: CPU test of the script, torch partials in place of the Gluon kernel, wall-clock times"
+                  if SIM else "dry run (CPU)" if args.dry_run else "gpu"), argv=sys.argv[1:])
 
 
 def save():
@@ -416,14 +418,17 @@ def gpu_run():
             errs = {"cur": check(f"{tag} slice {nb}x{ts}: existing vs reference",
                                  rel_err(paged_decode_attention(*op_args(sub, *sargs, kb, vb, g, sm)), ref_s))}
             cur_full = paged_decode_attention(*a).float()
-            fns, nss = {"cur": lambda a=a: paged_decode_attention(*a)}, {"cur": ns}
+            fns, nss, builds = {"cur": lambda a=a: paged_decode_attention(*a)}, {"cur": ns}, {}
             for n, env in variants:
                 try:
                     nsv = ns
                     if env.get("RES"):
                         nsv = KA.split_count(b, hkv, ctx, num_sms(), int(env["RES"]), 0)  # no window programs
                     sl, (m_, l_, o_) = gluon_runner(mods[n], env, sub, q[:nb], kb, vb, g, sm, ns)
-                    sl()
+                    kern = sl()  # the compiled kernel (GPU): its registers and spills go to the rows
+                    if kern is not None and hasattr(kern, "n_regs"):
+                        builds[n] = dict(regs=int(kern.n_regs), spills=int(kern.n_spills))
+                        log(f"  {tag} gluon {n}: {builds[n]['regs']} registers, {builds[n]['spills']} spills")
                     out_s = torch.empty(nb, HQ, D, device=DEV, dtype=torch.float16)
                     KA.decode_reduce(m_, l_, o_, out_s, HQ)
                     errs[n] = check(f"{tag} slice: gluon {n} (NS {ns}) vs reference", rel_err(out_s, ref_s))
@@ -455,7 +460,7 @@ def gpu_run():
                 r = dict(impl=n, env=dict(variants).get(n, {}), batch=b, kv_heads=hkv, q_heads=HQ, head_dim=D,
                          context=ctx, key_bits=kb, value_bits=vb, group=g, num_splits=nss[n], ms=t,
                          ms_rounds=times[n], sdpa_ms=t_sdpa, tbps=nbytes / t / 1e9, speedup=t_sdpa / t,
-                         vs_existing=base / t, slice_rel_err=errs.get(n), bytes=nbytes)
+                         vs_existing=base / t, slice_rel_err=errs.get(n), bytes=nbytes, **builds.get(n, {}))
                 rows.append(r)
                 log(f"{tag} {n:>9} NS {nss[n]:4d}: {t:.4f} ms {r['tbps']:.2f} TB/s  x{r['speedup']:.2f} vs sdpa  "
                     f"x{r['vs_existing']:.3f} vs existing  rounds {[round(x, 4) for x in times[n]]}")
