@@ -419,6 +419,8 @@ def gpu_run():
             errs = {"cur": check(f"{tag} slice {nb}x{ts}: existing vs reference",
                                  rel_err(paged_decode_attention(*op_args(sub, *sargs, kb, vb, g, sm)), ref_s))}
             cur_full = paged_decode_attention(*a).float()
+            # the unfused path (split + merge kernel), as a graph capture takes it, compiled here, not while capturing
+            paged_decode_attention(*a, merge=False)
             fns, nss, builds = {"cur": lambda a=a: paged_decode_attention(*a)}, {"cur": ns}, {}
             for n, env in variants:
                 try:
