@@ -456,6 +456,191 @@ def _pt_operand(p):
     return gl.convert_layout(y, OPB, assert_trivial=TRIVIAL)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# 2-bit codes (transposed kernel, KBITS/VBITS = 2, group 32). One word = 4 bytes x 4 fields of 2 bits; ODD pairs
+# (bytes x, x + 2: the two halves of the word) per field k: 8 pairs = 16 codes. The code goes to mantissa bits 8..9
+# of 4.0 (v = 4 + c exactly; z folded as z - 4 s); field k of byte x sits at bit 8x + 2k of its half, so the shift is
+# 8 - 8x - 2k (x = 1, k = 0: none). One asm block per (word, x): 4 pairs, outputs (k0 lo, hi, k1 lo, hi, ...).
+# * keys: token row = 32 bytes = 8 words; byte j holds channels j + 32k (pack). Lane c reads words 2c, 2c + 1 (one
+#   8-byte load); slot s = e + 2c + 8h + 16wt + 32k holds channel 8c + 4wt + h + 2e + 32k (word 2c + wt, byte pair
+#   x = h, field k). The key rows are loaded in the same token order pi as the 4-bit kernel.
+# * values: channel row = 16 bytes = 4 words; word w holds tokens 16w + 4k + 2q + h (pack_tokens) in byte q + 2h,
+#   field k. Lane c reads word c (one 4-byte load); slot s = e + 2c + 8h + 16k holds token 16c + 4k + 2h + e, which
+#   is pi(s) (k = p + 2u of the 4-bit map): P^T needs nothing new.
+def _unpack2_asm(x):
+    lines = ["{", ".reg .b32 u<4>, r<4>;"]
+    for k in range(4):
+        sh = 8 - 8 * x - 2 * k
+        if sh > 0:
+            lines.append(f"shl.b32 u{k}, $8, {sh};")
+        elif sh < 0:
+            lines.append(f"shr.u32 u{k}, $8, {-sh};")
+        else:
+            lines.append(f"mov.b32 u{k}, $8;")
+    for k in range(4):
+        lines.append(f"lop3.b32 u{k}, u{k}, 0x03000300, 0x44004400, 0xEA;")
+    for k in range(4):
+        lines.append(f"fma.rn.f16x2 r{k}, u{k}, ${9 + 2 * k}, ${10 + 2 * k};")
+    for k in range(4):
+        lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, r{k};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_UNPACK2_X0 = gl.constexpr(_unpack2_asm(0))
+_UNPACK2_X1 = gl.constexpr(_unpack2_asm(1))
+# key scales of 2-bit codes: as _KSC with the fold z - 4 s
+_KSC2 = gl.constexpr("""{
+.reg .b32 z0, z1, m;
+mov.b32 m, 0xC400C400;
+prmt.b32 $0, $4, $5, 0x5410;
+prmt.b32 $2, $4, $5, 0x7632;
+prmt.b32 z0, $6, $7, 0x5410;
+prmt.b32 z1, $6, $7, 0x7632;
+fma.rn.f16x2 $1, $0, m, z0;
+fma.rn.f16x2 $3, $2, m, z1;
+}""")
+_VSC2 = gl.constexpr("{.reg .b32 m; mov.b32 m, 0xC400C400; fma.rn.f16x2 $0, $1, m, $2;}")
+# key words of 2-bit codes [J = 8, G = 2, NL = 4, W = 8] (lane c: words 2c, 2c + 1), their scale pairs per plane
+# [1, 2, 1, 16] (lane c: pairs 4c .. 4c + 3 of the plane's 32 channels: one 16-byte run)
+LK2 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 2], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))
+LK2S = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 2, 4, 4], [1, 1, 1, 1], [3, 2, 1, 0]))
+# value words of one 32-channel group, 2-bit codes: [JL = 4, R = 8, C = 4, 1]: word c of channel 32 gi + 8 jl + r
+LV2 = gl.constexpr(gl.BlockedLayout([1, 1, 1, 1], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0]))
+
+
+@gluon.jit
+def _unpack2(w, X: gl.constexpr, s0, z0, s1, z1, s2, z2, s3, z3):
+    """2-bit word tile, byte pair X -> 8 fp16 tiles (k0 lo, hi, k1 lo, hi, k2 .., k3 ..); (sk, zk) the folded scale
+    pairs of field k (broadcast to w)."""
+    if X == 0:
+        r = gl.inline_asm_elementwise(_UNPACK2_X0, _UNPACK_CON, [w, s0, z0, s1, z1, s2, z2, s3, z3],
+                                      dtype=(gl.float16, ) * 8, is_pure=True, pack=1)
+    else:
+        r = gl.inline_asm_elementwise(_UNPACK2_X1, _UNPACK_CON, [w, s0, z0, s1, z1, s2, z2, s3, z3],
+                                      dtype=(gl.float16, ) * 8, is_pure=True, pack=1)
+    return r
+
+
+@gluon.jit
+def _j4(x0, x1):
+    """x_h = (k0 lo, hi, k1 lo, hi, k2 lo, hi, k3 lo, hi) of byte pairs h = 0, 1 -> x[..., e, h, k0, k1]"""
+    a0, a1, b0, b1, c0, c1, d0, d1 = x0
+    e0, e1, f0, f1, g0, g1, i0, i1 = x1
+    k0 = gl.join(gl.join(a0, a1), gl.join(e0, e1))  # [.., e, h]
+    k1 = gl.join(gl.join(b0, b1), gl.join(f0, f1))
+    k2 = gl.join(gl.join(c0, c1), gl.join(g0, g1))
+    k3 = gl.join(gl.join(d0, d1), gl.join(i0, i1))
+    return gl.join(gl.join(k0, k1), gl.join(k2, k3))
+
+
+@gluon.jit
+def _key_tile2_t(kw, sc0, sc1):
+    """2-bit key words [8, 2, 4, 8] (LK2) -> K [64 token rows, 128 slots] fp16 in the A-operand layout; sc0/sc1 the
+    folded scale pairs of byte pairs x = 0, 1: (s, z) per field k."""
+    s0, z0, s1, z1, s2, z2, s3, z3 = sc0
+    x0 = _unpack2(kw, 0, s0, z0, s1, z1, s2, z2, s3, z3)
+    s0, z0, s1, z1, s2, z2, s3, z3 = sc1
+    x1 = _unpack2(kw, 1, s0, z0, s1, z1, s2, z2, s3, z3)
+    x = _j4(x0, x1)  # [j, g, nl, w, e, h, k0, k1]
+    x = gl.reshape(x, [8, 2, 4, 4, 2, 2, 2, 2, 2])  # [j, g, nl, c, wt, e, h, k0, k1]
+    x = gl.permute(x, [0, 1, 2, 8, 7, 4, 6, 3, 5])  # [j, g, nl, k1, k0, wt, h, c, e]
+    x = gl.reshape(x, [64, 128])
+    return gl.convert_layout(x, QA, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _key_scales2(ks_pg, kz_pg, wq16, k: gl.constexpr):
+    """folded ODD scale pairs of plane k (channels 32k ..) of 2-bit keys: (s_x0, z_x0, s_x1, z_x1), [1, 2, 1, 8]."""
+    sa, sb = _split2_2(gl.load(ks_pg + k * 16 + wq16))
+    za, zb = _split2_2(gl.load(kz_pg + k * 16 + wq16))
+    return gl.inline_asm_elementwise(_KSC2, "=r,=r,=r,=r,r,r,r,r", [sa, sb, za, zb], dtype=(gl.int32, ) * 4,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _split2_2(x):
+    """[1, 2, 1, 16] natural pairs -> (a, b) = pairs 2w, 2w + 1 as [1, 2, 1, 8] (LK2)"""
+    a, b = gl.split(gl.reshape(x, [1, 2, 1, 8, 2]))
+    return gl.convert_layout(a, LK2, assert_trivial=TRIVIAL), gl.convert_layout(b, LK2, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _value_words2(gi: gl.constexpr, vw_pg):
+    """2-bit value words of group gi: [4, 8, 4, 1] int32 (LV2), channel 32 gi + 8 jl + r, word c of its row."""
+    jl = _idx(4, 0, LV2, 4)
+    r = _idx(8, 1, LV2, 4)
+    c = _idx(4, 2, LV2, 4)
+    return gl.load(vw_pg + (gi * 32 + jl * 8 + r) * 4 + c)
+
+
+@gluon.jit
+def _split8(x):
+    """[1, 1, 4, 8] pairs 8c + 2k + q -> 8 tiles [1, 1, 4, 1] (LV2): (q0k0, q0k1, q0k2, q0k3, q1k0, .., q1k3)"""
+    xq0, xq1 = gl.split(gl.reshape(x, [1, 1, 4, 2, 2, 2]))  # [.., c, k1, k0, q]: q first
+    a0, a1 = gl.split(xq0)  # k0
+    b0, b1 = gl.split(xq1)
+    a00, a10 = gl.split(a0)  # k1: a<k1><k0> (k in binary)
+    a01, a11 = gl.split(a1)
+    b00, b10 = gl.split(b0)
+    b01, b11 = gl.split(b1)
+    return (_lv2(a00), _lv2(a01), _lv2(a10), _lv2(a11), _lv2(b00), _lv2(b01), _lv2(b10), _lv2(b11))
+
+
+@gluon.jit
+def _lv2(x):
+    return gl.convert_layout(gl.reshape(x, [1, 1, 4, 1]), LV2, assert_trivial=TRIVIAL)
+
+
+@gluon.jit
+def _vfold2(s, z):
+    return gl.inline_asm_elementwise(_VSC2, "=r,r,r", [s, z], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _value_group2_t(gi: gl.constexpr, acc, pb, w, vs_pg, vz_pg, lim, MASK: gl.constexpr):
+    """_value_group_t for 2-bit values: acc^T [32, 8] += V_g^T P^T, w the group's words (_value_words2)."""
+    c = _idx(4, 2, LV2, 4)
+    c8 = _idx(4, 2, LV8, 4)
+    i8 = _idx(8, 3, LV8, 4)
+    pr8 = gi * 32 + c8 * 8 + i8  # pair 8c + 2k + q of the group's row of 32 token pairs
+    s00, s01, s02, s03, s10, s11, s12, s13 = _split8(gl.load(vs_pg + pr8))
+    z00, z01, z02, z03, z10, z11, z12, z13 = _split8(gl.load(vz_pg + pr8))
+    z00 = _vfold2(s00, z00)
+    z01 = _vfold2(s01, z01)
+    z02 = _vfold2(s02, z02)
+    z03 = _vfold2(s03, z03)
+    z10 = _vfold2(s10, z10)
+    z11 = _vfold2(s11, z11)
+    z12 = _vfold2(s12, z12)
+    z13 = _vfold2(s13, z13)
+    if MASK:  # word c, pair (q, k): tokens 16c + 4k + 2q + {0, 1}
+        tw = c * 16
+        s00 = _mask_pairs(s00, tw, lim)
+        z00 = _mask_pairs(z00, tw, lim)
+        s01 = _mask_pairs(s01, tw + 4, lim)
+        z01 = _mask_pairs(z01, tw + 4, lim)
+        s02 = _mask_pairs(s02, tw + 8, lim)
+        z02 = _mask_pairs(z02, tw + 8, lim)
+        s03 = _mask_pairs(s03, tw + 12, lim)
+        z03 = _mask_pairs(z03, tw + 12, lim)
+        s10 = _mask_pairs(s10, tw + 2, lim)
+        z10 = _mask_pairs(z10, tw + 2, lim)
+        s11 = _mask_pairs(s11, tw + 6, lim)
+        z11 = _mask_pairs(z11, tw + 6, lim)
+        s12 = _mask_pairs(s12, tw + 10, lim)
+        z12 = _mask_pairs(z12, tw + 10, lim)
+        s13 = _mask_pairs(s13, tw + 14, lim)
+        z13 = _mask_pairs(z13, tw + 14, lim)
+    x0 = _unpack2(w, 0, s00, z00, s01, z01, s02, z02, s03, z03)
+    x1 = _unpack2(w, 1, s10, z10, s11, z11, s12, z12, s13, z13)
+    x = _j4(x0, x1)  # [jl, r, c, 1, e, h, k0, k1]
+    x = gl.reshape(x, [4, 8, 4, 2, 2, 2, 2])  # [jl, r, c, e, h, k0, k1]
+    x = gl.permute(x, [0, 1, 6, 5, 4, 2, 3])  # [jl, r, k1, k0, h, c, e]
+    v = gl.convert_layout(gl.reshape(x, [32, 64]), QA, assert_trivial=TRIVIAL)
+    return gl.nvidia.ampere.mma_v2(v, pb, acc)
+
+
 VFOLD = gl.constexpr(int(os.environ.get("GD_VFOLD", 0)))
 # VFOLD: value scales folded into P^T (raw 16 + c codes); VEARLY (transposed): value words loaded before the key half
 VEARLY = gl.constexpr(int(os.environ.get("GD_VEARLY", 0)))
@@ -533,8 +718,13 @@ def _value_group_fold_t(gi: gl.constexpr, acc, pb, vw_pg, vs16, tokb, lim, MASK:
 @gluon.jit
 def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
                           m_ws, l_ws, o_ws, qk_scale, Hkv, NS, s_qb, s_qh, s_btb, s_kcp, s_kch, s_ksp, s_ksh,
-                          s_vcp, s_vch, s_vsp, s_vsh, GROUP: gl.constexpr, VALUES: gl.constexpr):
-    """gluon_decode_kernel with transposed MMAs (same arguments, same outputs)."""
+                          s_vcp, s_vch, s_vsp, s_vsh, GROUP: gl.constexpr, VALUES: gl.constexpr,
+                          KBITS: gl.constexpr = 4, VBITS: gl.constexpr = 4):
+    """gluon_decode_kernel with transposed MMAs (same arguments, same outputs); KBITS/VBITS 4 or 2 (group 32)."""
+    gl.static_assert((KBITS == 4) or (KBITS == 2))
+    gl.static_assert((VBITS == 4) or (VBITS == 2))
+    gl.static_assert((VBITS == 4) or (not VFOLD))
+    gl.static_assert((VBITS == 4) or (not VEARLY))
     P: gl.constexpr = 64
     D: gl.constexpr = 128
     pid = gl.program_id(0)
@@ -543,7 +733,10 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
     h = pid % Hkv
     k = gl.arange(0, D, layout=gl.SliceLayout(1, LQT))
     hd = gl.arange(0, 8, layout=gl.SliceLayout(0, LQT))
-    ch = (k // 64) * 64 + ((k // 2) % 4) * 16 + ((k // 16) % 4) * 4 + (k // 8) % 2 + 2 * (k % 2)
+    if KBITS == 4:
+        ch = (k // 64) * 64 + ((k // 2) % 4) * 16 + ((k // 16) % 4) * 4 + (k // 8) % 2 + 2 * (k % 2)
+    else:  # slot e + 2c + 8h + 16wt + 32k -> channel 32k + 8c + 4wt + h + 2e
+        ch = (k // 32) * 32 + ((k // 2) % 4) * 8 + ((k // 16) % 2) * 4 + (k // 8) % 2 + 2 * (k % 2)
     qv = gl.load(q_ptr + b * s_qb + (h * GROUP + hd)[None, :] * s_qh + ch[:, None], mask=(hd < GROUP)[None, :],
                  other=0.0)
     qb = gl.convert_layout(qv.to(gl.float16), OPB)
@@ -555,15 +748,25 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
     t1 = gl.minimum(t0 + pps * P, length)
     t_full = t0 + gl.maximum(t1 - t0, 0) // P * P
 
-    j = _idx(8, 0, LK, 4)
-    g = _idx(2, 1, LK, 4)
-    nl = _idx(4, 2, LK, 4)
-    wk = _idx(16, 3, LK, 4)
-    n = j * 8 + g * 4 + nl  # S^T row m
-    tok = 8 * (2 * ((n // 2) % 4) + n // 32) + 4 * ((n // 16) % 2) + 2 * ((n // 8) % 2) + n % 2
-    koff = tok * 16 + wk
-    wq = g * (D // 2) + wk * 2
-    wq32 = _idx(2, 1, LK32, 4) * (D // 2) + _idx(32, 3, LK32, 4)
+    if KBITS == 4:
+        j = _idx(8, 0, LK, 4)
+        g = _idx(2, 1, LK, 4)
+        nl = _idx(4, 2, LK, 4)
+        wk = _idx(16, 3, LK, 4)
+        n = j * 8 + g * 4 + nl  # S^T row m
+        tok = 8 * (2 * ((n // 2) % 4) + n // 32) + 4 * ((n // 16) % 2) + 2 * ((n // 8) % 2) + n % 2
+        koff = tok * 16 + wk
+        wq = g * (D // 2) + wk * 2
+        wq32 = _idx(2, 1, LK32, 4) * (D // 2) + _idx(32, 3, LK32, 4)
+    else:  # 2-bit key rows of 8 words, the same token order
+        j = _idx(8, 0, LK2, 4)
+        g = _idx(2, 1, LK2, 4)
+        nl = _idx(4, 2, LK2, 4)
+        wk = _idx(8, 3, LK2, 4)
+        n = j * 8 + g * 4 + nl
+        tok = 8 * (2 * ((n // 2) % 4) + n // 32) + 4 * ((n // 16) % 2) + 2 * ((n // 8) % 2) + n % 2
+        koff = tok * 8 + wk
+        wq16 = _idx(2, 1, LK2S, 4) * (D // 2) + _idx(16, 3, LK2S, 4)  # plane k's pairs: + 16k
 
     m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -617,9 +820,17 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
                 vw3 = _value_words(3, vw_h + page * s_vcp)
             ks_pg = ks_h + page * (s_ksp // 2)
             kz_pg = kz_h + page * (s_ksp // 2)
-            s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
-            s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, wq32, 1)
-            kt = _key_tile_t(kw, s00, z00, s10, z10, s01, z01, s11, z11)
+            if KBITS == 4:
+                s00, z00, s10, z10 = _key_scales(ks_pg, kz_pg, wq, wq32, 0)
+                s01, z01, s11, z11 = _key_scales(ks_pg, kz_pg, wq, wq32, 1)
+                kt = _key_tile_t(kw, s00, z00, s10, z10, s01, z01, s11, z11)
+            else:
+                s00, z00, s10, z10 = _key_scales2(ks_pg, kz_pg, wq16, 0)
+                s01, z01, s11, z11 = _key_scales2(ks_pg, kz_pg, wq16, 1)
+                s02, z02, s12, z12 = _key_scales2(ks_pg, kz_pg, wq16, 2)
+                s03, z03, s13, z13 = _key_scales2(ks_pg, kz_pg, wq16, 3)
+                kt = _key_tile2_t(kw, (s00, z00, s01, z01, s02, z02, s03, z03),
+                                  (s10, z10, s11, z11, s12, z12, s13, z13))
             s = gl.nvidia.ampere.mma_v2(kt, qb, gl.zeros([64, 8], gl.float32, layout=MMA))  # S^T [64 tokens, 8 heads]
             if phase == 1:
                 s = gl.where((mtok < lim)[:, None], s, float("-inf"))
@@ -653,6 +864,15 @@ def gluon_decode_t_kernel(q_ptr, bt_ptr, len_ptr, kw_ptr, ks_ptr, kz_ptr, vw_ptr
                                                     phase == 1)
                     a3 = _value_group_fold_t(3, a3 * alpha[None, :], pb, vw_pg, vs16, tokb, lim,
                                                     phase == 1)
+                elif VBITS == 2:
+                    vw0 = _value_words2(0, vw_pg)
+                    vw1 = _value_words2(1, vw_pg)
+                    vw2 = _value_words2(2, vw_pg)
+                    vw3 = _value_words2(3, vw_pg)
+                    a0 = _value_group2_t(0, a0 * alpha[None, :], pb, vw0, vs_pg, vz_pg, lim, phase == 1)
+                    a1 = _value_group2_t(1, a1 * alpha[None, :], pb, vw1, vs_pg, vz_pg, lim, phase == 1)
+                    a2 = _value_group2_t(2, a2 * alpha[None, :], pb, vw2, vs_pg, vz_pg, lim, phase == 1)
+                    a3 = _value_group2_t(3, a3 * alpha[None, :], pb, vw3, vs_pg, vz_pg, lim, phase == 1)
                 else:
                     if not VEARLY:
                         vw0 = _value_words(0, vw_pg)

@@ -73,8 +73,11 @@ def loops(sass):
 
 def main(argv):
     const = dict(GROUP=4, VALUES=1)
-    const.update({k: int(v) for k, v in (a.split("=") for a in argv if a.split("=")[0] in ("GROUP", "VALUES"))})
     fn = gluon_decode.gluon_decode_t_kernel if os.environ.get("GD_T", "0") == "1" else gluon_decode.gluon_decode_kernel
+    if "KBITS" in fn.arg_names:  # the transposed kernel: KBITS=2 VBITS=2 for 2-bit codes
+        const.update(KBITS=4, VBITS=4)
+    const.update({k: int(v) for k, v in (a.split("=") for a in argv)
+                  if k in ("GROUP", "VALUES", "KBITS", "VBITS")})
     k = compile_kernel(fn, const, int(os.environ.get("R", 0)) or None)
     res, sass = disassemble(k)
     if os.environ.get("DUMP"):
