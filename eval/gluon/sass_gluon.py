@@ -1,22 +1,22 @@
 """Compile the Gluon decode spike for sm_90 on a CPU and count the SASS of its paged loop.
 
     PYTHONPATH=/tmp/t36site python eval/gluon/sass_gluon.py [VALUES=1] [DUMP=prefix]
-(Triton 3.6 from /tmp/t36site; nvdisasm/cuobjdump from Triton's wheel; loop finding as eval/sass_decode.py)
+(Triton 3.6 from /tmp/t36site; nvdisasm/cuobjdump from Triton's wheel; disassembly and loop finding from
+eval/sass_decode.py)
 """
-import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gluon_decode  # noqa: E402
+from sass_decode import disassemble, loops, spill_count  # noqa: E402  (the Triton kernel's SASS tools)
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32", "ks_ptr": "*fp16",
@@ -45,32 +45,6 @@ def compile_kernel(fn, const, maxnreg=None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def disassemble(kernel):
-    with tempfile.TemporaryDirectory() as tmp:
-        cub = os.path.join(tmp, "k.cubin")
-        open(cub, "wb").write(kernel.asm["cubin"])
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cub], capture_output=True,
-                             text=True).stdout
-        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", cub], capture_output=True, text=True).stdout
-    return res, sass
-
-
-def loops(sass):
-    ins, labels = [], {}
-    for line in sass.splitlines():
-        m = re.match(r"\s*\.L_x_(\d+):", line)
-        if m:
-            labels[m.group(1)] = len(ins)
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append(m.group(2).strip())
-    for i, t in enumerate(ins):
-        lab = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", t)
-        if lab and labels.get(lab.group(1), 1 << 30) < i:
-            body = ins[labels[lab.group(1)]:i + 1]
-            yield len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body), body
-
-
 def main(argv):
     const = dict(GROUP=4, VALUES=1)
     fn = gluon_decode.gluon_decode_t_kernel if os.environ.get("GD_T", "0") == "1" else gluon_decode.gluon_decode_kernel
@@ -89,7 +63,7 @@ def main(argv):
     codes = 64 * 128 * (2 if const["VALUES"] else 1) // 32
     found = list(loops(sass))
     for n, c, _ in found:
-        spills = sum(v for kk, v in c.items() if kk.startswith(("STL", "LDL")))
+        spills = spill_count(c)
         print(f"loop: {n} instructions, {spills} spill instructions; top: "
               + ", ".join(f"{a} {b}" for a, b in c.most_common(16)))
     # the paged loop = the first loop with MMAs (the transposed kernel's masked last step follows it as a second,
