@@ -1154,15 +1154,16 @@ class DecodeRunner:
         """The direct launch, or None where the first run's kernels and arguments do not apply."""
         if (q.shape != r.qshape or q.stride() != r.qstride or q.dtype != r.dtype or sm_scale != r.scale
                 or rl.dtype != r.rl_dtype or rl.stride(-1) != 1 or (new_k is None) != (r.new is None)
-                or (new_v is None) != (r.new is None)):
-            return None
+                or (new_v is None) != (r.new is None) or _cuda_index(rl) != r.index):
+            return None  # (a tensor on another device goes the ordinary way, whose checks name it)
         if (sink is None) != (r.sink is None) or (sink is not None and (
                 sink.dtype != r.sink[0] or sink.shape != r.sink[1] or sink.stride(-1) != 1
                 or _cuda_index(sink) != r.index)):
             return None
         if new_k is not None and (new_v is None or new_k.shape != r.new or new_v.shape != r.new
                                   or new_k.stride() != r.nk or new_v.stride() != r.nv or new_k.dtype != r.dtype
-                                  or new_v.dtype != r.dtype):
+                                  or new_v.dtype != r.dtype or _cuda_index(new_k) != r.index
+                                  or _cuda_index(new_v) != r.index):
             return None
         if (torch.cuda.current_device() != r.index or _cuda_index(q) != r.index or _plan_env() != r.env
                 or torch.cuda.is_current_stream_capturing() or not no_launch_hooks()):

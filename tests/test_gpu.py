@@ -465,6 +465,10 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
         monkeypatch.delenv("KIVI_DECODE_SPLIT_MIN")
         assert torch.equal(run.run(q, rl, 0.088), A.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
         assert run.fast_runs == 2
+        # a window length or step token on the CPU after direct runs: the ordinary call, whose check names it
+        with pytest.raises(ValueError, match="res_lengths|device"):
+            run.run(q, rl.cpu(), 0.088)
+        assert run.fast_runs == 2
 
 
 def test_deepcopy_mid_generation_on_the_gpu():

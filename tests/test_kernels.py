@@ -1113,3 +1113,22 @@ def test_every_kernel_states_fp_fusion(monkeypatch):
     run_decode(decode_case(2, 2, 2, 64, 64, 32, 4, 4, torch.float16, [96, 160], [5, 17]), "fp fusion", merge=False)
     assert {n for n, _ in seen} == {"_SPLIT", "_REDUCE", "_QUANT", "_APPEND", "_dequant_kernel"}, seen
     assert all(v is True for _, v in seen), seen
+
+
+def test_decode_runner_direct_launch_refuses_tensors_on_another_device():
+    """DecodeRunner's direct launch passes raw pointers: a window length or step token on another device than its
+    first run's must send the run the ordinary way (whose checks name the tensor), never into the kernel. The
+    decision is made before any CUDA call, so it is checked here on the CPU with a recorded launch for device 0."""
+    import types
+
+    from kivi_cache.kernels import attention as A
+
+    q = torch.zeros(2, 4, 64, dtype=torch.float16)
+    rl = torch.zeros(2, dtype=torch.int32)
+    nk = torch.zeros(2, 1, 64, dtype=torch.float16)
+    r = types.SimpleNamespace(qshape=q.shape, qstride=q.stride(), dtype=q.dtype, scale=0.1, rl_dtype=rl.dtype,
+                              new=nk.shape, nk=nk.stride(), nv=nk.stride(), sink=None, index=0)
+    run = A.DecodeRunner.__new__(A.DecodeRunner)
+    assert run._launch(r, q, rl, 0.1, nk, nk) is None  # the window lengths on the CPU, the launch on cuda:0
+    rl_gpu = types.SimpleNamespace(dtype=rl.dtype, stride=rl.stride, get_device=lambda: 0)
+    assert run._launch(r, q, rl_gpu, 0.1, nk, nk) is None  # the step token on the CPU
