@@ -39,15 +39,13 @@ PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32",
         "nv_ptr": "*fp16", "out_ptr": "*fp16", "cnt_ptr": "*i32"}
 
 
-def compile_kernel(const, warps, stages, maxnreg):
-    fn = attention._decode_split_kernel
-    # constexpr parameters with defaults (NEWKV, MERGE, ...) keep them unless given
-    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
-             **const}
+def signature(fn, const, ptrs):
+    """A decode kernel's compile signature as its launch gives it: ``ptrs`` (name -> pointer type) 16-byte aligned,
+    ``const`` constexprs, ``qk_scale`` fp32, every other argument i32 (strides ``s_*`` multiples of 16)."""
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
-        if n in PTRS:
-            sig[n] = PTRS[n]
+        if n in ptrs:
+            sig[n] = ptrs[n]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n in const:
             sig[n] = "constexpr"
@@ -57,6 +55,15 @@ def compile_kernel(const, warps, stages, maxnreg):
             sig[n] = "i32"
             if n.startswith("s_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_kernel(const, warps, stages, maxnreg):
+    fn = attention._decode_split_kernel
+    # constexpr parameters with defaults (NEWKV, MERGE, ...) keep them unless given
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+             **const}
+    sig, attrs = signature(fn, const, PTRS)
     if const.get("BF16"):
         for n in ("q_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr", "rk_ptr", "rv_ptr", "nk_ptr", "nv_ptr", "out_ptr"):
             sig[n] = "*bf16"

@@ -380,11 +380,17 @@ def gpu_run():
     for n, env in variants:
         mods[n] = load_gluon(n, env)
         log(f"variant {n}: {env} -> module gd_{n} (PF={int(mods[n].PF)}, VFOLD={int(mods[n].VFOLD)})")
+    def out_of_time(what):
+        """Past --max-s: ``what`` is logged and recorded as not run."""
+        if time.time() - t_start <= args.max_s:
+            return False
+        log(f"{what}: skipped, {time.time() - t_start:.0f} s > --max-s {args.max_s:.0f}")
+        failures.append(dict(check=f"{what} not run (--max-s)", err="time"))
+        return True
+
     for b, hkv, ctx in shapes:
         shape = f"{b}x{hkv}x{ctx}"
-        if time.time() - t_start > args.max_s:
-            log(f"{shape}: skipped, {time.time() - t_start:.0f} s > --max-s {args.max_s:.0f}")
-            failures.append(dict(check=f"{shape} not run (--max-s)", err="time"))
+        if out_of_time(shape):
             continue
         q4 = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.float16)
         q = q4[:, :, 0].contiguous()
@@ -397,9 +403,7 @@ def gpu_run():
         del kf, vf, sdpa
         for kb, vb, g in bit_settings:
             tag = f"{shape} k{kb}v{vb}g{g}"
-            if time.time() - t_start > args.max_s:
-                log(f"{tag}: skipped, {time.time() - t_start:.0f} s > --max-s {args.max_s:.0f}")
-                failures.append(dict(check=f"{tag} not run (--max-s)", err="time"))
+            if out_of_time(tag):
                 continue
             gen = torch.Generator(device=DEV).manual_seed(0)
             pool = make_pool(b, hkv, ctx, D, PAGE, g, kb, vb, DEV, gen)

@@ -16,7 +16,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gluon_decode  # noqa: E402
-from sass_decode import disassemble, loops, spill_count  # noqa: E402  (the Triton kernel's SASS tools)
+from sass_decode import disassemble, loops, signature, spill_count  # noqa: E402  (the Triton kernel's SASS tools)
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32", "ks_ptr": "*fp16",
@@ -25,19 +25,7 @@ PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32",
 
 
 def compile_kernel(fn, const, maxnreg=None):
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in PTRS:
-            sig[n] = PTRS[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in const:
-            sig[n] = "constexpr"
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("s_"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, attrs = signature(fn, const, PTRS)
     opts = dict(num_warps=1)
     if maxnreg:
         opts["maxnreg"] = maxnreg
