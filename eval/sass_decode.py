@@ -115,7 +115,8 @@ def summary(argv):
     st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
-    const.setdefault("VHINT", attention._vhint(const["D"], const["BLOCK"])["VHINT"])  # as the launch sets it
+    # VHINT as the launch sets it
+    const.setdefault("VHINT", attention._vhint(const["D"], const["BLOCK"], const["KBITS"], const["VBITS"])["VHINT"])
     warps = int(os.environ.get("W", 1))
     k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))

@@ -690,19 +690,22 @@ def _srcmin() -> dict:
     return dict(SRCMIN=v)
 
 
-def _vhint(d: int, step: int) -> dict:
+def _vhint(d: int, step: int, key_bits: int, value_bits: int) -> dict:
     """``VHINT`` of the split kernel: its paged loop declares each step's offset into the value-word rows a multiple
     of the step's words (true: steps start at multiples of BLOCK). Triton 3.9 infers that and copies the value tiles
     in 16-byte pieces; 3.6 (the GPU image) copied them 4 bytes at a time. With the hint 3.6's sm_90 build matches
     3.9's (SASS per 64-token step 4/4 1472 -> 1461, 3.9: 1452; same cp.async widths), and 3.9 decoded 4-12% faster
     than 3.6 on the H200 (eval/NOTES.md, session 27); with the hint 3.6 decodes 2-9% faster (int4, head_dim 128,
     bit-equal outputs; session 28, ``eval/results/ab_vhint_s28.json``). Default ``KIVI_DECODE_VHINT=auto``: on for
-    64-token steps at head_dim >= 128; off for 32-token steps (3.6 then spills: 903 -> 1553 instructions) and
-    head_dim 64 (168 -> 187 registers: 12 -> 8 warps per SM; 3.9 has 187 too, not timed). ``1``/``0`` force it."""
+    64-token steps at head_dim >= 128, and at head_dim 64 for 4-bit keys and values (168 -> 187 registers, 12 -> 8
+    warps per SM, yet 3-11% faster on the H200 under 3.6: session 29, ``eval/results/ab_d64_t36_s29.json``); off for
+    32-token steps (3.6 then spills: 903 -> 1553 instructions) and the other head_dim-64 widths (2/2 bits: -3% to
+    +8%, mixed). ``1``/``0`` force it."""
     v = os.environ.get("KIVI_DECODE_VHINT", "auto")
     if v not in ("auto", "0", "1"):
         raise ValueError(f"KIVI_DECODE_VHINT must be one of auto, 0, 1; got {v!r}")
-    return dict(VHINT=int(v == "1" or (v == "auto" and step >= 64 and d >= 128)))
+    auto = step >= 64 and (d >= 128 or key_bits == value_bits == 4)
+    return dict(VHINT=int(v == "1" or (v == "auto" and auto)))
 
 
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
@@ -863,7 +866,7 @@ class _DecodePlan:
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
                     num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
-                    **_srcmin(), **_vhint(d, blk), **({"SLIDING": 1} if sliding_window else {}))
+                    **_srcmin(), **_vhint(d, blk, key_bits, value_bits), **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]
         rch = window_chunk(bsz * hkv, cap, blk_r, q.device)

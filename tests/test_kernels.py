@@ -619,15 +619,19 @@ def test_decode_rejects_an_unknown_srcmin(monkeypatch):
 
 
 def test_decode_value_hint_setting(monkeypatch):
-    """KIVI_DECODE_VHINT: auto (on at head_dim >= 128 with 64-token steps), 1, 0 give the reference's output (the
-    hint only declares an alignment; its effect on the copies is checked in test_sass.py); other values are refused."""
+    """KIVI_DECODE_VHINT: auto (on with 64-token steps at head_dim >= 128, and at head_dim 64 for 4/4 bits), 1, 0 give
+    the reference's output (the hint only declares an alignment; its effect on the copies is checked in test_sass.py);
+    other values are refused."""
     from kivi_cache.kernels import attention as A
 
-    assert A._vhint(128, 64) == {"VHINT": 1} and A._vhint(64, 64) == {"VHINT": 0} and A._vhint(128, 32) == {"VHINT": 0}
+    auto = {(d, step, kb, vb): A._vhint(d, step, kb, vb)["VHINT"] for d in (64, 128, 256) for step in (32, 64)
+            for kb in (2, 4, 8) for vb in (2, 4, 8)}
+    assert auto == {(d, step, kb, vb): int(step == 64 and (d >= 128 or kb == vb == 4)) for d, step, kb, vb in auto}
+    assert auto[128, 64, 2, 2] == auto[64, 64, 4, 4] == 1 and auto[64, 64, 2, 2] == auto[128, 32, 4, 4] == 0
     args = decode_case(2, 2, 2, 128, 64, 32, 4, 4, torch.float16, [96, 150], [5, 33])
     for v in ("1", "0"):
         monkeypatch.setenv("KIVI_DECODE_VHINT", v)
-        assert A._vhint(64, 32) == {"VHINT": int(v)}
+        assert A._vhint(64, 32, 2, 2) == {"VHINT": int(v)}
         run_decode(args, f"decode vhint {v}", _force_half_dot=True)
     monkeypatch.setenv("KIVI_DECODE_VHINT", "yes")
     with pytest.raises(ValueError, match="KIVI_DECODE_VHINT"):

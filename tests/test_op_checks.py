@@ -4,6 +4,8 @@ pool with fewer heads than k), read past the block table or the window, or gave 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,27 @@ from kivi_cache import reference as R
 D, G, P = 64, 32, 64
 DT = torch.float16
 I32 = torch.int32
+# KIVI_TEST_GPU=1 (no interpreter): every tensor on CUDA, so the good-argument calls that set a test up reach the real
+# launcher with device pointers (session 29 ran this file there with CPU tensors: 11 setup failures, Triton's
+# "cpu tensor?"). The cases' module-level tensors move in the tests (dev); meta tensors stay on meta.
+DEV = "cuda" if os.environ.get("KIVI_TEST_GPU") == "1" else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _on_the_test_device():
+    with torch.device(DEV):
+        yield
+
+
+def dev(x):
+    """``x`` (a tensor, or a tuple/dict of them) on the test device; meta tensors and other values unchanged."""
+    if isinstance(x, torch.Tensor):
+        return x if x.is_meta else x.to(DEV)
+    if isinstance(x, tuple):
+        return tuple(dev(t) for t in x)
+    if isinstance(x, dict):
+        return {k: dev(v) for k, v in x.items()}
+    return x
 
 
 def pool(np_=3, h=1, kb=4, vb=4):
@@ -46,7 +69,7 @@ WRITE_CASES = {  # name: (k heads, pages, slots, pool bits, k dtype) -> the para
 @pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
 @pytest.mark.parametrize("case", list(WRITE_CASES))
 def test_quantize_and_write_rejects_bad_arguments_before_writing(mod, case):
-    (h, pages, slots, bits, dtype), match = WRITE_CASES[case]
+    (h, pages, slots, bits, dtype), match = dev(WRITE_CASES[case])
     pl = pool(kb=bits, vb=bits)
     before = [t.clone() for t in pl]
     kv = torch.randn(pages.shape[0] if case != "pages_per_group" else 1, h, G, D).to(dtype)
@@ -82,7 +105,7 @@ DECODE_CASES = {
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_rejects_bad_arguments_before_writing(mod, case):
     over, match = DECODE_CASES[case]
-    a = decode_args(**over)
+    a = decode_args(**dev(over))
     new = torch.randn(2, a["res_k"].shape[1], D).to(DT)
     before = [a["res_k"].clone(), a["res_v"].clone()]
     with pytest.raises(ValueError, match=match):
@@ -106,6 +129,7 @@ def test_prefix_and_dequantize_reject_bad_arguments(mod):
         mod.dequantize_pages(a["block_table"].to("meta"), a["lengths"], *a["pool"], 4, 4, G)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="about CPU tensors without the interpreter")
 def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
     """set_backend('triton') with CPU tensors and no interpreter: a clear error, not Triton's '0 active drivers'."""
     from kivi_cache import ops
@@ -268,7 +292,7 @@ FLUSH_CASES = {
 @pytest.mark.parametrize("case", list(FLUSH_CASES))
 def test_append_and_flush_checks_where_it_flushes_before_writing(mod, case):
     over, match = FLUSH_CASES[case]
-    a = flush_args(**over)
+    a = flush_args(**dev(over))
     state = [*a["pool"], a["res_k"], a["res_v"]]
     before = [t.clone() for t in state]
     with pytest.raises(ValueError, match=match):
