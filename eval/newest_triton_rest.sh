@@ -5,11 +5,13 @@
 # (eval/pack_triton.sh); carry [".t39"].
 . eval/device_env.sh
 carried_triton || exit 1
-KIVI_TEST_GPU=1 timeout 220 python3 -m pytest -q tests/test_gpu.py -k "not compile" \
-    > "$OUT/gpu_tests_triton39_gpu.log" 2>&1; echo "gpu tests rc $?"
-tail -3 "$OUT/gpu_tests_triton39_gpu.log"
+if [ -z "${NO_MODEL:-}" ]; then  # NO_MODEL=1: kernel tests only (session 30)
+    KIVI_TEST_GPU=1 timeout 220 python3 -m pytest -q tests/test_gpu.py -k "not compile" \
+        > "$OUT/gpu_tests_triton39_gpu.log" 2>&1; echo "gpu tests rc $?"
+    tail -3 "$OUT/gpu_tests_triton39_gpu.log"
+fi
 KIVI_TEST_GPU=1 python3 -m pytest --collect-only -q tests/test_kernels.py tests/test_unpack_ptx.py 2>/dev/null \
     | grep "::" | tail -n +$((${1:-0} + 1)) > /tmp/rest_ids.txt
-KIVI_TEST_GPU=1 timeout 210 python3 -m pytest -q $(cat /tmp/rest_ids.txt) \
+KIVI_TEST_GPU=1 timeout ${KTIME:-210} python3 -m pytest -q $(cat /tmp/rest_ids.txt) \
     > "$OUT/gpu_tests_triton39_kernels_rest.log" 2>&1; echo "kernel tests (rest) rc $?"
 tail -3 "$OUT/gpu_tests_triton39_kernels_rest.log"

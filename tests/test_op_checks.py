@@ -22,7 +22,17 @@ DEV = "cuda" if os.environ.get("KIVI_TEST_GPU") == "1" else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _on_the_test_device():
+def _on_the_test_device(monkeypatch):
+    """Tensors built on DEV; on CUDA with the index values checked as under ``KIVI_CHECK_INDICES=1`` (without it a
+    GPU checks shapes, dtypes and devices only: kivi_cache.checks). Session 30 on the H200 without it: the page past
+    the pool went unchecked, and the reference's out-of-bounds index fired a device assert that failed every later
+    test."""
+    if DEV == "cuda":
+        from kivi_cache import checks
+        from kivi_cache.kernels import _util
+
+        monkeypatch.setattr(checks, "CHECK_INDICES", True)
+        monkeypatch.setattr(_util, "CHECK_INDICES", True)
     with torch.device(DEV):
         yield
 
