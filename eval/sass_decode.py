@@ -149,6 +149,7 @@ def summary(argv):
                 shared=smem, loop_waits=waits, spills_total=total,
                 loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,
                 hmma=sum(v for k, v in c.items() if k.startswith("HMMA")),
+                bssy=c.get("BSSY", 0),  # branch-wrapped sections in the paged loop (3.6's guarded copies: _ksz)
                 atom_acq_rel_gpu=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", k.asm["ptx"])),
                 ld_cg=len(re.findall(r"ld\.global\.cg", k.asm["ptx"])),
                 cp_async_16=len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10", k.asm["ptx"])))

@@ -175,6 +175,49 @@ def _rows(x, G: tl.constexpr):
 
 
 @triton.jit
+def _fold_key_words(sw, zw, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BF16: tl.constexpr,
+                    ODD: tl.constexpr, FK: tl.constexpr):
+    """_key_pairs' ASM half: plane k's scale and zero words ``sw``/``zw`` ([GPS, DK/2] int32, pair p of word w at
+    2w + p) folded by PTX into (s pair 0, s pair 1, z pair 0, z pair 1), each [GPS * G, DK/4]."""
+    E0: tl.constexpr = FOLD_E[(FK * 8 + k) * 2]
+    E1: tl.constexpr = FOLD_E[(FK * 8 + k) * 2 + 1]
+    if E0 == E1:
+        sf, zf = fold_pairs_asm(sw, zw, E0, BF16)
+        s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
+        z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
+        if ODD:
+            s0, s1 = odd_pairs_asm(s0, s1)
+            z0, z1 = odd_pairs_asm(z0, z1)
+    else:  # ODD: the pairs first, then each folded with its own power of two
+        s0, s1 = odd_pairs_asm(*tl.split(tl.reshape(sw, [sw.shape[0], DK // 4, 2])))
+        z0, z1 = odd_pairs_asm(*tl.split(tl.reshape(zw, [zw.shape[0], DK // 4, 2])))
+        s0, z0 = fold_pairs_asm(s0, z0, E0, BF16)
+        s1, z1 = fold_pairs_asm(s1, z1, E1, BF16)
+    return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
+
+
+@triton.jit
+def _key_words4(srow, zrow, D: tl.constexpr):
+    """The step's key scale and zero words of all four planes (2-bit keys, ``KSZ``) in one load of a [2, GPS, D/2]
+    int32 tile (16-byte copies over the whole warp at head_dim 64), split in registers: ((sw, zw) of plane 0, ...,
+    plane 3), each [GPS, D/8]."""
+    sel = tl.arange(0, 2)[:, None, None]
+    rows = tl.where(sel == 0, srow.to(tl.pointer_type(tl.int32), bitcast=True)[None, :, None],
+                    zrow.to(tl.pointer_type(tl.int32), bitcast=True)[None, :, None])
+    w = tl.load(rows + tl.arange(0, D // 2)[None, None, :])  # [2, GPS, D/2]: plane k = words k D/8 .. (k+1) D/8
+    sw, zw = tl.split(tl.permute(w, (1, 2, 0)))  # [GPS, D/2] each
+    sw = tl.permute(tl.reshape(sw, [sw.shape[0], 2, 2, D // 8]), (0, 3, 1, 2))  # [GPS, D/8, hi, lo]: plane 2hi + lo
+    zw = tl.permute(tl.reshape(zw, [zw.shape[0], 2, 2, D // 8]), (0, 3, 1, 2))
+    s_lo0, s_lo1 = tl.split(sw)
+    z_lo0, z_lo1 = tl.split(zw)
+    s0, s2 = tl.split(s_lo0)
+    s1, s3 = tl.split(s_lo1)
+    z0, z2 = tl.split(z_lo0)
+    z1, z3 = tl.split(z_lo1)
+    return s0, z0, s1, z1, s2, z2, s3, z3
+
+
+@triton.jit
 def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                DT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ODD: tl.constexpr, FK: tl.constexpr):
     """Folded, pair-packed key scales of plane k for the step's groups (``srow``/``zrow``: [GPS] row
@@ -190,18 +233,7 @@ def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.const
         offs = (k * (DK // 2) + tl.arange(0, DK // 2))[None, :]  # int32 pairs of plane k: word w, pair p at 2w + p
         sw = tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs)
         zw = tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs)
-        if E0 == E1:
-            sf, zf = fold_pairs_asm(sw, zw, E0, BF16)
-            s0, s1 = tl.split(tl.reshape(sf, [sf.shape[0], DK // 4, 2]))
-            z0, z1 = tl.split(tl.reshape(zf, [zf.shape[0], DK // 4, 2]))
-            if ODD:
-                s0, s1 = odd_pairs_asm(s0, s1)
-                z0, z1 = odd_pairs_asm(z0, z1)
-        else:  # ODD: the pairs first, then each folded with its own power of two
-            s0, s1 = odd_pairs_asm(*tl.split(tl.reshape(sw, [sw.shape[0], DK // 4, 2])))
-            z0, z1 = odd_pairs_asm(*tl.split(tl.reshape(zw, [zw.shape[0], DK // 4, 2])))
-            s0, z0 = fold_pairs_asm(s0, z0, E0, BF16)
-            s1, z1 = fold_pairs_asm(s1, z1, E1, BF16)
+        r0, r1, r2, r3 = _fold_key_words(sw, zw, k, DK, G, BF16, ODD, FK)
     else:
         sl = tl.load(srow[:, None, None] + k * DK + kcols[None])
         zl = tl.load(zrow[:, None, None] + k * DK + kcols[None])
@@ -210,7 +242,8 @@ def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.const
             zf = tl.where((kcols % 2 == 0)[None], zf, fold_scale(sl, zl, E1, DT)[1])
         s0, s1 = pack_channel_pairs(sf, DT, ODD)
         z0, z1 = pack_channel_pairs(zf, DT, ODD)
-    return _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
+        r0, r1, r2, r3 = _rows(s0, G), _rows(s1, G), _rows(z0, G), _rows(z1, G)
+    return r0, r1, r2, r3
 
 
 @triton.jit
@@ -274,6 +307,7 @@ def _decode_split_kernel(
     BM: tl.constexpr = 1,  # MERGE: next power of two of the programs per pair (NS + window chunks)
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
     VHINT: tl.constexpr = 0,  # the value words' offset declared a multiple of a step's words (_vhint)
+    KSZ: tl.constexpr = 0,  # 2-bit keys: every plane's scale and zero words in one load (_ksz)
     SRCMIN: tl.constexpr = EXACT,  # codes read in place from this mantissa bit up (unpack.field; EXACT: top only)
     SLIDING: tl.constexpr = 0,  # sliding-window attention: only the last SWIN stored tokens are seen
     SINK: tl.constexpr = 0,  # MERGE: learned attention sinks, one logit per query head at sink_ptr (natural log)
@@ -378,7 +412,18 @@ def _decode_split_kernel(
                 srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
                 zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
                 s = tl.zeros([BLOCK, GP], tl.float32)
-                if HALF:
+                if HALF and KSZ and KASM and NK == 4:  # one load for every plane's scales and zeros (_ksz)
+                    sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3 = _key_words4(srow, zrow, D)
+                    f00, f01, g00, g01 = _fold_key_words(sw0, zw0, 0, DK, G, BF16, KODD, KFK)
+                    f10, f11, g10, g11 = _fold_key_words(sw1, zw1, 1, DK, G, BF16, KODD, KFK)
+                    f20, f21, g20, g21 = _fold_key_words(sw2, zw2, 2, DK, G, BF16, KODD, KFK)
+                    f30, f31, g30, g31 = _fold_key_words(sw3, zw3, 3, DK, G, BF16, KODD, KFK)
+                    kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
+                                   f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD, SRCMIN)
+                    for k in tl.static_range(NK):
+                        kk = plane(kp[2 * k], kp[2 * k + 1], DT)
+                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
+                elif HALF:
                     f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD, KFK)
                     if NK >= 2:
                         f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD,
@@ -708,6 +753,21 @@ def _vhint(d: int, step: int, key_bits: int, value_bits: int) -> dict:
     return dict(VHINT=int(v == "1" or (v == "auto" and auto)))
 
 
+def _ksz(key_bits: int) -> dict:
+    """``KSZ`` of the split kernel (``KIVI_DECODE_KSZ``: 0, the default, or 1; 2-bit keys with the inline-PTX unpack
+    only): the step's key scale and zero words of all four planes in one [2, GPS, D/2] int32 load (``_key_words4``),
+    split in registers, instead of eight [GPS, D/8] loads. At head_dim 64 Triton 3.6 copied each of the eight
+    64-byte tiles with 16-byte cp.async on 4 lanes, every copy behind a branch (BSSY/BRA and three no-op LDS): 923
+    SASS per 64-token step for 2/2 bits against 3.9's 718, and the H200 decoded 2/2 bits 21-27% slower under 3.6 than
+    under 3.9 (session 30, ``eval/results/ab_d64_t39_s30.json`` against ``ab_d64_t36_s29.json``). With it (SASS,
+    built on the CPU): 3.6 722, 3.9 702 (2/4 bits: 961 -> 783, 3.9 775 -> 747; bf16 947 -> 746; head_dim 128 with
+    64-token groups 1246 -> 1168). Off by default until a GPU run checks it (``eval/ksz_check.sh``)."""
+    v = os.environ.get("KIVI_DECODE_KSZ", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"KIVI_DECODE_KSZ must be one of 0, 1; got {v!r}")
+    return dict(KSZ=int(v == "1" and key_bits == 2))
+
+
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
     """Warps an SM holds by registers alone (sm_80/sm_90): each of its 4 sub-partitions has a quarter of the
     register file, allocated per warp in units of 256 registers; at most 64."""
@@ -810,7 +870,8 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
 _PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
              "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
              "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
-             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK", "KIVI_UNPACK_SRCMIN", "KIVI_DECODE_VHINT")
+             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK", "KIVI_UNPACK_SRCMIN", "KIVI_DECODE_VHINT",
+             "KIVI_DECODE_KSZ")
 _plan_env = env_reader(_PLAN_ENV)
 # at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
 # GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.4% faster (H200, eval/NOTES.md s14)
@@ -866,7 +927,8 @@ class _DecodePlan:
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
                     num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
-                    **_srcmin(), **_vhint(d, blk, key_bits, value_bits), **({"SLIDING": 1} if sliding_window else {}))
+                    **_srcmin(), **_vhint(d, blk, key_bits, value_bits), **_ksz(key_bits),
+                    **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]
         rch = window_chunk(bsz * hkv, cap, blk_r, q.device)
