@@ -197,15 +197,22 @@ def _fold_key_words(sw, zw, k: tl.constexpr, DK: tl.constexpr, G: tl.constexpr, 
 
 
 @triton.jit
-def _key_words4(srow, zrow, D: tl.constexpr):
-    """The step's key scale and zero words of all four planes (2-bit keys, ``KSZ``) in one load of a [2, GPS, D/2]
-    int32 tile (16-byte copies over the whole warp at head_dim 64), split in registers: ((sw, zw) of plane 0, ...,
-    plane 3), each [GPS, D/8]."""
+def _key_words(srow, zrow, D: tl.constexpr):
+    """The step's key scale and zero words of every key plane (``KSZ``) in one load of a [2, GPS, D/2] int32 tile
+    (16-byte copies over the whole warp at head_dim 64): (sw, zw), each [GPS, D/2], plane k of NK = words
+    k D/(2 NK) .. (k+1) D/(2 NK) - 1."""
     sel = tl.arange(0, 2)[:, None, None]
     rows = tl.where(sel == 0, srow.to(tl.pointer_type(tl.int32), bitcast=True)[None, :, None],
                     zrow.to(tl.pointer_type(tl.int32), bitcast=True)[None, :, None])
-    w = tl.load(rows + tl.arange(0, D // 2)[None, None, :])  # [2, GPS, D/2]: plane k = words k D/8 .. (k+1) D/8
-    sw, zw = tl.split(tl.permute(w, (1, 2, 0)))  # [GPS, D/2] each
+    w = tl.load(rows + tl.arange(0, D // 2)[None, None, :])  # [2, GPS, D/2]
+    return tl.split(tl.permute(w, (1, 2, 0)))
+
+
+@triton.jit
+def _key_words4(srow, zrow, D: tl.constexpr):
+    """_key_words split in registers into the four planes of 2-bit keys: (sw, zw) of plane 0, ..., plane 3, each
+    [GPS, D/8]."""
+    sw, zw = _key_words(srow, zrow, D)
     sw = tl.permute(tl.reshape(sw, [sw.shape[0], 2, 2, D // 8]), (0, 3, 1, 2))  # [GPS, D/8, hi, lo]: plane 2hi + lo
     zw = tl.permute(tl.reshape(zw, [zw.shape[0], 2, 2, D // 8]), (0, 3, 1, 2))
     s_lo0, s_lo1 = tl.split(sw)
@@ -215,6 +222,16 @@ def _key_words4(srow, zrow, D: tl.constexpr):
     z0, z2 = tl.split(z_lo0)
     z1, z3 = tl.split(z_lo1)
     return s0, z0, s1, z1, s2, z2, s3, z3
+
+
+@triton.jit
+def _key_words2(srow, zrow, D: tl.constexpr):
+    """_key_words split in registers into the two planes of 4-bit keys: (sw, zw) of plane 0, plane 1, each
+    [GPS, D/4]."""
+    sw, zw = _key_words(srow, zrow, D)
+    s0, s1 = tl.split(tl.permute(tl.reshape(sw, [sw.shape[0], 2, D // 4]), (0, 2, 1)))
+    z0, z1 = tl.split(tl.permute(tl.reshape(zw, [zw.shape[0], 2, D // 4]), (0, 2, 1)))
+    return s0, z0, s1, z1
 
 
 @triton.jit
@@ -307,7 +324,7 @@ def _decode_split_kernel(
     BM: tl.constexpr = 1,  # MERGE: next power of two of the programs per pair (NS + window chunks)
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
     VHINT: tl.constexpr = 0,  # the value words' offset declared a multiple of a step's words (_vhint)
-    KSZ: tl.constexpr = 0,  # 2-bit keys: every plane's scale and zero words in one load (_ksz)
+    KSZ: tl.constexpr = 0,  # 2/4-bit keys: every plane's scale and zero words in one load (_ksz)
     SRCMIN: tl.constexpr = EXACT,  # codes read in place from this mantissa bit up (unpack.field; EXACT: top only)
     SLIDING: tl.constexpr = 0,  # sliding-window attention: only the last SWIN stored tokens are seen
     SINK: tl.constexpr = 0,  # MERGE: learned attention sinks, one logit per query head at sink_ptr (natural log)
@@ -412,12 +429,18 @@ def _decode_split_kernel(
                 srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
                 zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
                 s = tl.zeros([BLOCK, GP], tl.float32)
-                if HALF and KSZ and KASM and NK == 4:  # one load for every plane's scales and zeros (_ksz)
-                    sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3 = _key_words4(srow, zrow, D)
+                if HALF and KSZ and KASM and NK >= 2:  # one load for every plane's scales and zeros (_ksz)
+                    if NK == 4:
+                        sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3 = _key_words4(srow, zrow, D)
+                    else:
+                        sw0, zw0, sw1, zw1 = _key_words2(srow, zrow, D)
                     f00, f01, g00, g01 = _fold_key_words(sw0, zw0, 0, DK, G, BF16, KODD, KFK)
                     f10, f11, g10, g11 = _fold_key_words(sw1, zw1, 1, DK, G, BF16, KODD, KFK)
-                    f20, f21, g20, g21 = _fold_key_words(sw2, zw2, 2, DK, G, BF16, KODD, KFK)
-                    f30, f31, g30, g31 = _fold_key_words(sw3, zw3, 3, DK, G, BF16, KODD, KFK)
+                    if NK == 4:
+                        f20, f21, g20, g21 = _fold_key_words(sw2, zw2, 2, DK, G, BF16, KODD, KFK)
+                        f30, f31, g30, g31 = _fold_key_words(sw3, zw3, 3, DK, G, BF16, KODD, KFK)
+                    else:
+                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                     kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
                                    f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD, SRCMIN)
                     for k in tl.static_range(NK):
@@ -754,18 +777,20 @@ def _vhint(d: int, step: int, key_bits: int, value_bits: int) -> dict:
 
 
 def _ksz(key_bits: int) -> dict:
-    """``KSZ`` of the split kernel (``KIVI_DECODE_KSZ``: 0, the default, or 1; 2-bit keys with the inline-PTX unpack
-    only): the step's key scale and zero words of all four planes in one [2, GPS, D/2] int32 load (``_key_words4``),
-    split in registers, instead of eight [GPS, D/8] loads. At head_dim 64 Triton 3.6 copied each of the eight
-    64-byte tiles with 16-byte cp.async on 4 lanes, every copy behind a branch (BSSY/BRA and three no-op LDS): 923
-    SASS per 64-token step for 2/2 bits against 3.9's 718, and the H200 decoded 2/2 bits 21-27% slower under 3.6 than
-    under 3.9 (session 30, ``eval/results/ab_d64_t39_s30.json`` against ``ab_d64_t36_s29.json``). With it (SASS,
-    built on the CPU): 3.6 722, 3.9 702 (2/4 bits: 961 -> 783, 3.9 775 -> 747; bf16 947 -> 746; head_dim 128 with
-    64-token groups 1246 -> 1168). Off by default until a GPU run checks it (``eval/ksz_check.sh``)."""
+    """``KSZ`` of the split kernel (``KIVI_DECODE_KSZ``: 0, the default, or 1; 2- and 4-bit keys with the inline-PTX
+    unpack only): the step's key scale and zero words of every key plane in one [2, GPS, D/2] int32 load
+    (``_key_words``), split in registers, instead of two [GPS, D/2 NK] loads per plane. Those tiles are small at
+    head_dim 64 and with 64-token groups, and Triton 3.6 copies them with 16-byte cp.async on a few lanes, each copy
+    behind a branch: 923 SASS per 64-token step for 2/2 bits at head_dim 64 against 3.9's 718, and the H200 decoded
+    2/2 bits there 21-27% slower under 3.6 than under 3.9 (session 30, ``eval/results/ab_d64_t39_s30.json`` against
+    ``ab_d64_t36_s29.json``). With it (SASS built on the CPU, 3.6): head_dim 64 2/2 722, 2/4 783 (961), 4/2 g64 717
+    (769), 4/4 g64 727 (767); head_dim 128 g64 2/2 1168 (1246), 2/4 1256 (1327); never more; under 3.9 from 0.5% more
+    to 4% fewer. Off by default until a GPU run times and tests it
+    (``eval/ksz_check.sh``)."""
     v = os.environ.get("KIVI_DECODE_KSZ", "0")
     if v not in ("0", "1"):
         raise ValueError(f"KIVI_DECODE_KSZ must be one of 0, 1; got {v!r}")
-    return dict(KSZ=int(v == "1" and key_bits == 2))
+    return dict(KSZ=int(v == "1" and key_bits in (2, 4)))
 
 
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:

@@ -642,48 +642,54 @@ def test_decode_value_hint_setting(monkeypatch):
 
 
 @triton.jit
-def _key_words4_probe(s_ptr, z_ptr, out_ptr, s_row, GPS: tl.constexpr, D: tl.constexpr):
-    """Stores _key_words4's eight tiles (s, z of planes 0-3) one after another: out [8, GPS, D/8]."""
+def _key_words_probe(s_ptr, z_ptr, out_ptr, s_row, GPS: tl.constexpr, D: tl.constexpr, NK: tl.constexpr):
+    """Stores the plane tiles of KA._key_words4 (NK 4) or KA._key_words2 (NK 2) one after another: out [2 NK, GPS,
+    D/(2 NK)], (s, z) of plane 0, then plane 1, ..."""
     g = tl.arange(0, GPS)
     srow = (s_ptr + g * s_row).to(tl.pointer_type(tl.float16), bitcast=True)
     zrow = (z_ptr + g * s_row).to(tl.pointer_type(tl.float16), bitcast=True)
-    s0, z0, s1, z1, s2, z2, s3, z3 = KA._key_words4(srow, zrow, D)
-    o = out_ptr + g[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
-    n: tl.constexpr = GPS * (D // 8)
+    o = out_ptr + g[:, None] * (D // (2 * NK)) + tl.arange(0, D // (2 * NK))[None, :]
+    n: tl.constexpr = GPS * (D // (2 * NK))
+    if NK == 4:
+        s0, z0, s1, z1, s2, z2, s3, z3 = KA._key_words4(srow, zrow, D)
+        tl.store(o + 4 * n, s2)
+        tl.store(o + 5 * n, z2)
+        tl.store(o + 6 * n, s3)
+        tl.store(o + 7 * n, z3)
+    else:
+        s0, z0, s1, z1 = KA._key_words2(srow, zrow, D)
     tl.store(o, s0)
     tl.store(o + n, z0)
     tl.store(o + 2 * n, s1)
     tl.store(o + 3 * n, z1)
-    tl.store(o + 4 * n, s2)
-    tl.store(o + 5 * n, z2)
-    tl.store(o + 6 * n, s3)
-    tl.store(o + 7 * n, z3)
 
 
-def test_key_words4_splits_every_planes_words():
-    """_key_words4 (KIVI_DECODE_KSZ=1, 2-bit keys): one [2, GPS, D/2] load of the step's key scale and zero words,
-    split in registers into plane k = words k D/8 .. (k+1) D/8 of each group row; checked here against torch slicing
-    on random words (the decode kernel takes this path only with the GPU's inline-PTX unpack, which the interpreter
-    cannot run)."""
+@pytest.mark.parametrize("nk", [4, 2], ids=["2bit", "4bit"])
+def test_key_words_split_every_planes_words(nk):
+    """_key_words4 / _key_words2 (KIVI_DECODE_KSZ=1, 2-/4-bit keys): one [2, GPS, D/2] load of the step's key scale
+    and zero words, split in registers into plane k = words k D/(2 NK) .. (k+1) D/(2 NK) of each group row; checked
+    here against torch slicing on random words (the decode kernel takes this path only with the GPU's inline-PTX
+    unpack, which the interpreter cannot run)."""
     for gps, d in ((1, 64), (2, 64), (2, 128), (4, 256)):
         row = d // 2 + 3  # rows of the pools are further apart than a row's words (as the page pools' groups are)
         s = torch.randint(-2**31, 2**31 - 1, (gps, row), dtype=torch.int32)
         z = torch.randint(-2**31, 2**31 - 1, (gps, row), dtype=torch.int32)
-        out = torch.full((8, gps, d // 8), -7, dtype=torch.int32)  # poisoned
-        _key_words4_probe[(1,)](s, z, out, row, GPS=gps, D=d)
-        want = torch.stack([t[:, k * d // 8:(k + 1) * d // 8] for k in range(4) for t in (s, z)])
+        w = d // (2 * nk)
+        out = torch.full((2 * nk, gps, w), -7, dtype=torch.int32)  # poisoned
+        _key_words_probe[(1,)](s, z, out, row, GPS=gps, D=d, NK=nk)
+        want = torch.stack([t[:, k * w:(k + 1) * w] for k in range(nk) for t in (s, z)])
         assert torch.equal(out, want), (gps, d)
 
 
 def test_decode_key_scale_words_setting(monkeypatch):
-    """KIVI_DECODE_KSZ: 1 asks for the one-load key scales with 2-bit keys only, 0 (default) never; others refused.
+    """KIVI_DECODE_KSZ: 1 asks for the one-load key scales with 2- and 4-bit keys, 0 (default) never; others refused.
     The decode op's output is the reference's with it set (here the interpreter's non-PTX path: the setting only
     changes the GPU's build, whose SASS test_sass.py checks)."""
     from kivi_cache.kernels import attention as A
 
     assert A._ksz(2) == {"KSZ": 0} and A._ksz(4) == {"KSZ": 0}
     monkeypatch.setenv("KIVI_DECODE_KSZ", "1")
-    assert A._ksz(2) == {"KSZ": 1} and A._ksz(4) == {"KSZ": 0} and A._ksz(8) == {"KSZ": 0}
+    assert A._ksz(2) == {"KSZ": 1} and A._ksz(4) == {"KSZ": 1} and A._ksz(8) == {"KSZ": 0}
     args = decode_case(2, 2, 2, 64, 64, 32, 2, 2, torch.float16, [96, 150], [5, 33])
     run_decode(args, "decode ksz 1", _force_half_dot=True)
     monkeypatch.setenv("KIVI_DECODE_KSZ", "yes")
