@@ -429,37 +429,34 @@ def _decode_split_kernel(
                 srow = ks_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg  # [GPS] key groups of the step
                 zrow = kz_h + page * s_ksp + ((start % P) // G + offs_grp) * s_ksg
                 s = tl.zeros([BLOCK, GP], tl.float32)
-                if HALF and KSZ and KASM and NK >= 2:  # one load for every plane's scales and zeros (_ksz)
-                    if NK == 4:
-                        sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3 = _key_words4(srow, zrow, D)
+                if HALF:
+                    if KSZ and KASM and NK >= 2:  # one load for every plane's scales and zeros (_ksz)
+                        if NK == 4:
+                            sw0, zw0, sw1, zw1, sw2, zw2, sw3, zw3 = _key_words4(srow, zrow, D)
+                        else:
+                            sw0, zw0, sw1, zw1 = _key_words2(srow, zrow, D)
+                        f00, f01, g00, g01 = _fold_key_words(sw0, zw0, 0, DK, G, BF16, KODD, KFK)
+                        f10, f11, g10, g11 = _fold_key_words(sw1, zw1, 1, DK, G, BF16, KODD, KFK)
+                        if NK == 4:
+                            f20, f21, g20, g21 = _fold_key_words(sw2, zw2, 2, DK, G, BF16, KODD, KFK)
+                            f30, f31, g30, g31 = _fold_key_words(sw3, zw3, 3, DK, G, BF16, KODD, KFK)
+                        else:
+                            f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                     else:
-                        sw0, zw0, sw1, zw1 = _key_words2(srow, zrow, D)
-                    f00, f01, g00, g01 = _fold_key_words(sw0, zw0, 0, DK, G, BF16, KODD, KFK)
-                    f10, f11, g10, g11 = _fold_key_words(sw1, zw1, 1, DK, G, BF16, KODD, KFK)
-                    if NK == 4:
-                        f20, f21, g20, g21 = _fold_key_words(sw2, zw2, 2, DK, G, BF16, KODD, KFK)
-                        f30, f31, g30, g31 = _fold_key_words(sw3, zw3, 3, DK, G, BF16, KODD, KFK)
-                    else:
-                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
-                    kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
-                                   f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD, SRCMIN)
-                    for k in tl.static_range(NK):
-                        kk = plane(kp[2 * k], kp[2 * k + 1], DT)
-                        s += tl.dot(kk, _pick4(k, q0, q1, q2, q3), input_precision=PREC)
-                elif HALF:
-                    f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD, KFK)
-                    if NK >= 2:
-                        f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM, KODD,
+                        f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD,
                                                         KFK)
-                    else:
-                        f10, f11, g10, g11 = f00, f01, g00, g01
-                    if NK == 4:
-                        f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM, KODD,
-                                                        KFK)
-                        f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM, KODD,
-                                                        KFK)
-                    else:
-                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                        if NK >= 2:
+                            f10, f11, g10, g11 = _key_pairs(srow, zrow, kcols, 1, DK, G, KBITS, DT, BF16, KASM,
+                                                            KODD, KFK)
+                        else:
+                            f10, f11, g10, g11 = f00, f01, g00, g01
+                        if NK == 4:
+                            f20, f21, g20, g21 = _key_pairs(srow, zrow, kcols, 2, DK, G, KBITS, DT, BF16, KASM,
+                                                            KODD, KFK)
+                            f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM,
+                                                            KODD, KFK)
+                        else:
+                            f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                     if KASM:
                         kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
                                        f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD, SRCMIN)
