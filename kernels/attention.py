@@ -244,14 +244,14 @@ def _key_pairs(srow, zrow, kcols, k: tl.constexpr, DK: tl.constexpr, G: tl.const
     packed half2 arithmetic, with no repacking; else folded in Triton and packed. Zero points are folded with
     ``fold_exp`` of each pair (the same for both pairs unless ``ODD`` and a code is read in place; ``FK``: the
     keys' ``unpack.fold_key``)."""
-    E0: tl.constexpr = FOLD_E[(FK * 8 + k) * 2]
-    E1: tl.constexpr = FOLD_E[(FK * 8 + k) * 2 + 1]
     if ASM:
         offs = (k * (DK // 2) + tl.arange(0, DK // 2))[None, :]  # int32 pairs of plane k: word w, pair p at 2w + p
         sw = tl.load(srow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs)
         zw = tl.load(zrow.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + offs)
         r0, r1, r2, r3 = _fold_key_words(sw, zw, k, DK, G, BF16, ODD, FK)
     else:
+        E0: tl.constexpr = FOLD_E[(FK * 8 + k) * 2]
+        E1: tl.constexpr = FOLD_E[(FK * 8 + k) * 2 + 1]
         sl = tl.load(srow[:, None, None] + k * DK + kcols[None])
         zl = tl.load(zrow[:, None, None] + k * DK + kcols[None])
         sf, zf = fold_scale(sl, zl, E0, DT)

@@ -683,13 +683,12 @@ def test_key_words_split_every_planes_words(nk):
 
 def test_decode_key_scale_words_setting(monkeypatch):
     """KIVI_DECODE_KSZ: 1 asks for the one-load key scales with 2- and 4-bit keys, 0 (default) never; others refused.
-    The decode op's output is the reference's with it set (here the interpreter's non-PTX path: the setting only
-    changes the GPU's build, whose SASS test_sass.py checks)."""
-    from kivi_cache.kernels import attention as A
-
-    assert A._ksz(2) == {"KSZ": 0} and A._ksz(4) == {"KSZ": 0}
+    The decode op's output is the reference's with it set: under KIVI_TEST_GPU=1 through the inline-PTX build that
+    takes the one-load path; under the interpreter (no PTX) the setting changes nothing, and test_sass.py checks the
+    GPU build's SASS instead."""
+    assert KA._ksz(2) == {"KSZ": 0} and KA._ksz(4) == {"KSZ": 0}
     monkeypatch.setenv("KIVI_DECODE_KSZ", "1")
-    assert A._ksz(2) == {"KSZ": 1} and A._ksz(4) == {"KSZ": 1} and A._ksz(8) == {"KSZ": 0}
+    assert KA._ksz(2) == {"KSZ": 1} and KA._ksz(4) == {"KSZ": 1} and KA._ksz(8) == {"KSZ": 0}
     args = decode_case(2, 2, 2, 64, 64, 32, 2, 2, torch.float16, [96, 150], [5, 33])
     run_decode(args, "decode ksz 1", _force_half_dot=True)
     monkeypatch.setenv("KIVI_DECODE_KSZ", "yes")
