@@ -38,6 +38,7 @@ ap.add_argument("--cold", action="store_true", help="CUDA-graph replays with L2 
                 "(bench_kernels.cold_graph_bench: pages and window cold, as inside a model)")
 ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every shape (64, 128, 256)")
 ap.add_argument("--q-heads", type=int, default=32, help="query heads (a multiple of every shape's KV heads)")
+ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="queries, residual, scales and zeros")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 
@@ -78,16 +79,17 @@ def save():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           timing=("cuda graph replay, L2 flushed before every call" if args.cold else
+                           dtype=args.dtype, timing=("cuda graph replay, L2 flushed before every call" if args.cold else
                                    "cuda graph replay" if args.graph else "eager launches (do_bench)"), rows=rows),
                       f, indent=1)
 
 
+dt = dict(fp16=torch.float16, bf16=torch.bfloat16)[args.dtype]
 for shape in args.shapes.split(","):
     b, hkv, ctx = map(int, shape.split("x"))
-    q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
-    kf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
-    vf = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.float16)
+    q = torch.randn(b, hq, 1, d, device=dev, dtype=dt)
+    kf = torch.randn(b, hkv, ctx, d, device=dev, dtype=dt)
+    vf = torch.randn(b, hkv, ctx, d, device=dev, dtype=dt)
     sdpa = []
     for _ in range(args.rounds):
         sdpa.append(bench(lambda q=q, kf=kf, vf=vf: torch.nn.functional.scaled_dot_product_attention(
@@ -98,9 +100,9 @@ for shape in args.shapes.split(","):
         kb, vb, g = map(int, bits.split("/"))
         t_q = ctx - res
         gen = torch.Generator(device=dev).manual_seed(0)
-        pool = make_pool(b, hkv, t_q, d, page, g, kb, vb, torch.device(dev), gen)
-        rk = torch.randn(b, hkv, res + g, d, device=dev, dtype=torch.float16, generator=gen)
-        rv = torch.randn(b, hkv, res + g, d, device=dev, dtype=torch.float16, generator=gen)
+        pool = make_pool(b, hkv, t_q, d, page, g, kb, vb, torch.device(dev), gen, dt)
+        rk = torch.randn(b, hkv, res + g, d, device=dev, dtype=dt, generator=gen)
+        rv = torch.randn(b, hkv, res + g, d, device=dev, dtype=dt, generator=gen)
         rl = torch.full((b,), res, device=dev, dtype=torch.int32)
         nbytes = pool_bytes(pool, b, hkv, t_q, d, page, g, kb, vb, res, hq)
         times = {n: [] for n, _, _ in impls}
@@ -121,8 +123,8 @@ for shape in args.shapes.split(","):
                 continue
             t = statistics.median(times[n])
             err = float((outs[n] - ref).abs().max() / ref.abs().max()) if ref is not None else float("nan")
-            r = dict(impl=n, env=env, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, context=ctx, key_bits=kb,
-                     value_bits=vb, group=g,
+            r = dict(impl=n, env=env, dtype=args.dtype, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, context=ctx,
+                     key_bits=kb, value_bits=vb, group=g,
                      ms=t, ms_rounds=times[n], sdpa_ms=t_sdpa, tbps=nbytes / t / 1e9, speedup=t_sdpa / t,
                      rel_err_vs_cur=err, bytes=nbytes)
             rows.append(r)

@@ -133,16 +133,17 @@ def copy_bandwidth(device, quick):
 
 # ----------------------------------------------------------------------------- problem builders
 
-def make_pool(b, hkv, t_quant, d, p, g, kb, vb, device, gen):
-    """Random packed pool holding b sequences of t_quant tokens (scattered pages)."""
+def make_pool(b, hkv, t_quant, d, p, g, kb, vb, device, gen, dtype=torch.float16):
+    """Random packed pool holding b sequences of t_quant tokens (scattered pages); scales and zeros in ``dtype`` (the
+    queries' dtype: fp16 or bf16)."""
     pages_per_seq = -(-t_quant // p)
     np_ = max(1, b * pages_per_seq)
     kc = torch.randint(0, 256, (np_, hkv, p, d * kb // 8), dtype=torch.uint8, device=device, generator=gen)
     vc = torch.randint(0, 256, (np_, hkv, d, p * vb // 8), dtype=torch.uint8, device=device, generator=gen)
-    ks = (torch.rand(np_, hkv, p // g, d, device=device, generator=gen, dtype=torch.float16) * (2.0 / (1 << kb)))
-    kz = torch.randn(np_, hkv, p // g, d, device=device, generator=gen, dtype=torch.float16) - 1.0
-    vs = (torch.rand(np_, hkv, d // g, p, device=device, generator=gen, dtype=torch.float16) * (2.0 / (1 << vb)))
-    vz = torch.randn(np_, hkv, d // g, p, device=device, generator=gen, dtype=torch.float16) - 1.0
+    ks = (torch.rand(np_, hkv, p // g, d, device=device, generator=gen, dtype=dtype) * (2.0 / (1 << kb)))
+    kz = torch.randn(np_, hkv, p // g, d, device=device, generator=gen, dtype=dtype) - 1.0
+    vs = (torch.rand(np_, hkv, d // g, p, device=device, generator=gen, dtype=dtype) * (2.0 / (1 << vb)))
+    vz = torch.randn(np_, hkv, d // g, p, device=device, generator=gen, dtype=dtype) - 1.0
     perm = torch.randperm(np_, device=device, generator=gen).to(torch.int32)
     bt = perm[: b * pages_per_seq].reshape(b, pages_per_seq) if pages_per_seq else perm[:0].reshape(b, 0)
     lengths = torch.full((b,), t_quant, dtype=torch.int32, device=device)

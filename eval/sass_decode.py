@@ -117,6 +117,7 @@ def summary(argv):
     const.setdefault("RSTAGES", st["RSTAGES"])
     # VHINT as the launch sets it
     const.setdefault("VHINT", attention._vhint(const["D"], const["BLOCK"], const["KBITS"], const["VBITS"])["VHINT"])
+    const.setdefault("KSZ", attention._ksz(const["D"], const["KBITS"], bool(const["BF16"]))["KSZ"])  # and KSZ
     warps = int(os.environ.get("W", 1))
     k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
                        int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))

@@ -773,21 +773,27 @@ def _vhint(d: int, step: int, key_bits: int, value_bits: int) -> dict:
     return dict(VHINT=int(v == "1" or (v == "auto" and auto)))
 
 
-def _ksz(key_bits: int) -> dict:
-    """``KSZ`` of the split kernel (``KIVI_DECODE_KSZ``: 0, the default, or 1; 2- and 4-bit keys with the inline-PTX
-    unpack only): the step's key scale and zero words of every key plane in one [2, GPS, D/2] int32 load
-    (``_key_words``), split in registers, instead of two [GPS, D/2 NK] loads per plane. Those tiles are small at
+def _ksz(d: int, key_bits: int, bf16: bool = False) -> dict:
+    """``KSZ`` of the split kernel (``KIVI_DECODE_KSZ``: ``auto``, the default, ``1`` or ``0``; 2- and 4-bit keys with
+    the inline-PTX unpack only): the step's key scale and zero words of every key plane in one [2, GPS, D/2] int32
+    load (``_key_words``), split in registers, instead of two [GPS, D/2 NK] loads per plane. Those tiles are small at
     head_dim 64 and with 64-token groups, and Triton 3.6 copies them with 16-byte cp.async on a few lanes, each copy
     behind a branch: 923 SASS per 64-token step for 2/2 bits at head_dim 64 against 3.9's 718, and the H200 decoded
     2/2 bits there 21-27% slower under 3.6 than under 3.9 (session 30, ``eval/results/ab_d64_t39_s30.json`` against
-    ``ab_d64_t36_s29.json``). With it (SASS built on the CPU, 3.6): head_dim 64 2/2 722, 2/4 783 (961), 4/2 g64 717
-    (769), 4/4 g64 727 (767); head_dim 128 g64 2/2 1168 (1246), 2/4 1256 (1327); never more; under 3.9 from 0.5% more
-    to 4% fewer. Off by default until a GPU run times and tests it
-    (``eval/ksz_check.sh``)."""
-    v = os.environ.get("KIVI_DECODE_KSZ", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"KIVI_DECODE_KSZ must be one of 0, 1; got {v!r}")
-    return dict(KSZ=int(v == "1" and key_bits in (2, 4)))
+    ``ab_d64_t36_s29.json``). With it (SASS built on the CPU, 3.6, fp16): head_dim 64 2/2 722, 2/4 783 (961), 4/2 g64
+    717 (769), 4/4 g64 727 (767); head_dim 128 g64 2/2 1168 (1246), 2/4 1256 (1327); never more; under 3.9 from 0.5%
+    more to 4% fewer. Timed on the H200 under 3.6 (session 31, fp16, CUDA graphs, ``eval/results/ab_ksz_d64_s31.json``
+    and ``ab_ksz_d128_s31.json``): head_dim 64 2/2 bits 24-27% faster (32 x 8 x 32k 0.2414 -> 0.1827 ms, as fast as
+    3.9), 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower nowhere; under 3.9 (head_dim 64)
+    2/2 bits 2%, 4/4 +2% / -3%. Outputs within 1e-3 relative (bit-equal where the split count is unchanged).
+    ``auto``: on, except for bf16 at head_dim >= 128. Those builds sit at the 255-register cap, and the one load
+    keeps more words live: 2/2 bits g32 spill 4 registers per step under 3.9, g64 2 under 3.6
+    (``eval/results/sass_ksz_bf16_s31.json``), and no GPU run has timed them."""
+    v = os.environ.get("KIVI_DECODE_KSZ", "auto")
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"KIVI_DECODE_KSZ must be one of auto, 0, 1; got {v!r}")
+    on = v == "1" or (v == "auto" and not (bf16 and d >= 128))
+    return dict(KSZ=int(on and key_bits in (2, 4)))
 
 
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
@@ -949,7 +955,8 @@ class _DecodePlan:
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
                     num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
-                    **_srcmin(), **_vhint(d, blk, key_bits, value_bits), **_ksz(key_bits),
+                    **_srcmin(), **_vhint(d, blk, key_bits, value_bits),
+                    **_ksz(d, key_bits, q.dtype == torch.bfloat16),
                     **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]

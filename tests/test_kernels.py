@@ -682,17 +682,23 @@ def test_key_words_split_every_planes_words(nk):
 
 
 def test_decode_key_scale_words_setting(monkeypatch):
-    """KIVI_DECODE_KSZ: 1 asks for the one-load key scales with 2- and 4-bit keys, 0 (default) never; others refused.
-    The decode op's output is the reference's with it set: under KIVI_TEST_GPU=1 through the inline-PTX build that
-    takes the one-load path; under the interpreter (no PTX) the setting changes nothing, and test_sass.py checks the
-    GPU build's SASS instead."""
-    assert KA._ksz(2) == {"KSZ": 0} and KA._ksz(4) == {"KSZ": 0}
-    monkeypatch.setenv("KIVI_DECODE_KSZ", "1")
-    assert KA._ksz(2) == {"KSZ": 1} and KA._ksz(4) == {"KSZ": 1} and KA._ksz(8) == {"KSZ": 0}
+    """KIVI_DECODE_KSZ: ``auto`` (default) asks for the one-load key scales with 2- and 4-bit keys except bf16 at
+    head_dim >= 128 (its builds spill with it), ``1`` always, ``0`` never; others refused. The decode op's output is
+    the reference's either way: under KIVI_TEST_GPU=1 through the inline-PTX build (``0`` takes the per-plane loads,
+    the default the one-load path); under the interpreter (no PTX) the setting changes nothing, and test_sass.py
+    checks the GPU build's SASS instead."""
+    monkeypatch.delenv("KIVI_DECODE_KSZ", raising=False)
+    assert KA._ksz(64, 2) == KA._ksz(128, 4) == KA._ksz(64, 4, True) == {"KSZ": 1}
+    assert KA._ksz(128, 2, True) == KA._ksz(256, 4, True) == KA._ksz(64, 8) == {"KSZ": 0}
     args = decode_case(2, 2, 2, 64, 64, 32, 2, 2, torch.float16, [96, 150], [5, 33])
-    run_decode(args, "decode ksz 1", _force_half_dot=True)
+    run_decode(args, "decode ksz default", _force_half_dot=True)
+    monkeypatch.setenv("KIVI_DECODE_KSZ", "1")
+    assert KA._ksz(128, 2, True) == {"KSZ": 1} and KA._ksz(64, 8) == {"KSZ": 0}
+    monkeypatch.setenv("KIVI_DECODE_KSZ", "0")
+    assert KA._ksz(64, 2) == KA._ksz(128, 4) == {"KSZ": 0}
+    run_decode(args, "decode ksz 0", _force_half_dot=True)
     monkeypatch.setenv("KIVI_DECODE_KSZ", "yes")
-    with pytest.raises(ValueError, match="KIVI_DECODE_KSZ must be one of 0, 1"):
+    with pytest.raises(ValueError, match="KIVI_DECODE_KSZ must be one of auto, 0, 1"):
         run_decode(args, "ksz yes", _force_half_dot=True)
 
 
