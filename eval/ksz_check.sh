@@ -6,6 +6,11 @@
 # Device commands (no carry):  bash eval/ksz_check.sh ab    (~5 minutes: fp16 A/Bs, the default against KSZ=0)
 #                              bash eval/ksz_check.sh bf16  (~5 minutes: bf16 A/Bs; at head_dim 128 KSZ=1 against
 #                                                            the default, which is off there)
+#                              bash eval/ksz_check.sh vhint64 (~4 minutes: with KSZ on, VHINT at head_dim 64 where
+#                                  3.6 builds fewer instructions at the same residency (eval/results/
+#                                  sass_vhint_d64_ksz_s31.json: 2/2 g32 722 -> 702, 153 -> 168 registers, 12 warps
+#                                  per SM either way; 2/4 g32 783 -> 748; 4/2 g32 765 -> 739 only with a 168-register
+#                                  cap, otherwise 238 registers, 8 warps); outputs bit-equal expected
 #                              bash eval/ksz_check.sh tests (~4 minutes: the GPU decode tests, default settings)
 . eval/device_env.sh
 python3 -c "import triton; print('triton', triton.__version__)"
@@ -27,6 +32,12 @@ elif [ "$1" = bf16 ]; then
         --shapes 32x8x32768,8x32x32768,1x8x131072 --bits 2/2/32,2/2/64,4/4/32 \
         --out "$OUT/ab_ksz_bf16_d128.json" > "$OUT/ab_ksz_bf16_d128.log" 2>&1; echo "bf16 d128 ab rc $?"
     grep -E " d128 " "$OUT/ab_ksz_bf16_d128.log"
+elif [ "$1" = vhint64 ]; then
+    timeout 300 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --env vh:KIVI_DECODE_VHINT=1 \
+        --env vh168:KIVI_DECODE_VHINT=1,KIVI_DECODE_MAXNREG=168 \
+        --shapes 32x8x32768,8x8x32768,1x8x131072 --bits 2/2/32,2/4/32,4/2/32 \
+        --out "$OUT/ab_vhint64_ksz.json" > "$OUT/ab_vhint64_ksz.log" 2>&1; echo "vhint64 ab rc $?"
+    grep -E " d64 " "$OUT/ab_vhint64_ksz.log"
 else
     KIVI_TEST_GPU=1 timeout 420 python3 -m pytest -q tests/test_kernels.py -k decode \
         > "$OUT/gpu_tests_decode.log" 2>&1; echo "decode kernel tests rc $?"
