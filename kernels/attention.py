@@ -786,13 +786,14 @@ def _ksz(d: int, key_bits: int, bf16: bool = False) -> dict:
     and ``ab_ksz_d128_s31.json``): head_dim 64 2/2 bits 24-27% faster (32 x 8 x 32k 0.2414 -> 0.1827 ms, as fast as
     3.9), 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower nowhere; under 3.9 (head_dim 64)
     2/2 bits 2%, 4/4 +2% / -3%. Outputs within 1e-3 relative (bit-equal where the split count is unchanged).
-    ``auto``: on, except for bf16 at head_dim >= 128. Those builds sit at the 255-register cap, and the one load
-    keeps more words live: 2/2 bits g32 spill 4 registers per step under 3.9, g64 2 under 3.6
-    (``eval/results/sass_ksz_bf16_s31.json``), and no GPU run has timed them."""
+    ``auto``: on at head_dim 64, and at 128 for fp16. bf16 builds at head_dim 128 sit at the 255-register cap, and
+    the one load keeps more words live: 2/2 bits g32 spill 4 registers per step under 3.9, g64 2 under 3.6
+    (``eval/results/sass_ksz_bf16_s31.json``); at head_dim 256 every build spills with or without it and it moves
+    the count by -1% to +1.4% (``sass_ksz_d256_s31.json``). No GPU run has timed those."""
     v = os.environ.get("KIVI_DECODE_KSZ", "auto")
     if v not in ("auto", "0", "1"):
         raise ValueError(f"KIVI_DECODE_KSZ must be one of auto, 0, 1; got {v!r}")
-    on = v == "1" or (v == "auto" and not (bf16 and d >= 128))
+    on = v == "1" or (v == "auto" and (d < 128 or (d == 128 and not bf16)))
     return dict(KSZ=int(on and key_bits in (2, 4)))
 
 
