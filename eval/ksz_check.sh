@@ -1,8 +1,8 @@
-# KSZ (kernels/attention.py _ksz): 2/4-bit keys' scale and zero words in one load per step. Default KIVI_DECODE_KSZ=auto
-# since session 31: on at head_dim 64 and for fp16 at 128 (bf16 builds at 128 sit at the 255-register cap and spill
-# with it: eval/results/sass_ksz_bf16_s31.json; at 256 everything spills either way: sass_ksz_d256_s31.json). Session 31 measured the fp16 A/B (`ab`, Triton 3.6): head_dim 64 2/2 bits
-# 24-27% faster, 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower nowhere
-# (eval/results/ab_ksz_d{64,128}_s31.json).
+# KSZ (kernels/attention.py _ksz): 2/4-bit keys' scale and zero words in one load per step. Default
+# KIVI_DECODE_KSZ=auto since session 31: on at head_dim 64 and for fp16 at 128 (bf16 builds at 128 sit at the
+# 255-register cap and spill with it: eval/results/sass_ksz_bf16_s31.json; at 256 everything spills either way:
+# sass_ksz_d256_s31.json). Session 31 measured the fp16 A/B (`ab`, Triton 3.6): head_dim 64 2/2 bits 24-27% faster,
+# 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower nowhere (eval/results/ab_ksz_d{64,128}_s31.json).
 # Device commands (no carry):  bash eval/ksz_check.sh ab    (~5 minutes: fp16 A/Bs, the default against KSZ=0)
 #                              bash eval/ksz_check.sh bf16  (~5 minutes: bf16 A/Bs; at head_dim 128 KSZ=1 against
 #                                                            the default, which is off there)
