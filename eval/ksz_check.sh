@@ -11,7 +11,7 @@
 #                                  sass_vhint_d64_ksz_s31.json: 2/2 g32 722 -> 702, 153 -> 168 registers, 12 warps
 #                                  per SM either way; 2/4 g32 783 -> 748; 4/2 g32 765 -> 739 only with a 168-register
 #                                  cap, otherwise 238 registers, 8 warps); outputs bit-equal expected
-#                              bash eval/ksz_check.sh s32 (carry [".t39"], ~5 minutes: session 32's two A/Bs)
+#                              bash eval/ksz_check.sh s32 (carry [".t39"], ~9 minutes: session 32's A/Bs and tests)
 #                              bash eval/ksz_check.sh tests (~4 minutes: the GPU decode tests, default settings)
 . eval/device_env.sh
 python3 -c "import triton; print('triton', triton.__version__)"
@@ -41,16 +41,20 @@ elif [ "$1" = vhint64 ]; then
     grep -E " d64 " "$OUT/ab_vhint64_ksz.log"
 elif [ "$1" = s32 ]; then
     # session 32: VHINT at head_dim 64 with 64-token groups (3.6: 2/2 and 4/2 g64 builds drop to 8 warps per SM with it),
-    # then (carry [".t39"]) the bf16 head_dim 128 KSZ A/B under Triton 3.9, where 2/2 g32 spills 4 registers per step
-    timeout 200 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --env vh:KIVI_DECODE_VHINT=1 \
-        --shapes 32x8x32768,8x8x32768,1x8x131072 --bits 2/2/64,4/2/64 \
+    # the uncompiled model-level GPU tests (3.6, session 32's defaults), then (carry [".t39"]) the bf16 head_dim 128
+    # KSZ A/B under Triton 3.9, where 2/2 g32 spills 4 registers per step
+    timeout 110 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --env vh0:KIVI_DECODE_VHINT=0 \
+        --shapes 32x8x32768,1x8x131072 --bits 2/2/64,4/2/64 \
         --out "$OUT/ab_vhint64_g64.json" > "$OUT/ab_vhint64_g64.log" 2>&1; echo "vhint64 g64 ab rc $?"
     grep -E " d64 " "$OUT/ab_vhint64_g64.log"
+    KIVI_TEST_GPU=1 timeout ${TTEST:-250} python3 -m pytest -q -p no:cacheprovider --durations=0 tests/test_gpu.py \
+        -k "not compile" > "$OUT/gpu_tests_model.log" 2>&1; echo "model-level tests rc $?"
+    grep -E "passed|failed|error" "$OUT/gpu_tests_model.log" | tail -3
     carried_triton || exit 1
-    timeout 230 python3 eval/ab_decode.py --graph --dtype bf16 --rounds 3 \
-        --env ksz:KIVI_DECODE_KSZ=1 --shapes 32x8x32768,8x32x32768,1x8x131072 --bits 2/2/32,2/2/64,4/4/32 \
+    timeout 160 python3 eval/ab_decode.py --graph --dtype bf16 --rounds 3 \
+        --env ksz:KIVI_DECODE_KSZ=1 --shapes 32x8x32768,1x8x131072 --bits 2/2/32,2/2/64,4/4/32 \
         --out "$OUT/ab_ksz_bf16_d128_t39.json" > "$OUT/ab_ksz_bf16_d128_t39.log" 2>&1; echo "bf16 d128 t39 ab rc $?"
-    grep -E "triton| d128 " "$OUT/ab_ksz_bf16_d128_t39.log"
+    grep -E " d128 " "$OUT/ab_ksz_bf16_d128_t39.log"
 else
     KIVI_TEST_GPU=1 timeout 420 python3 -m pytest -q tests/test_kernels.py -k decode \
         > "$OUT/gpu_tests_decode.log" 2>&1; echo "decode kernel tests rc $?"

@@ -440,8 +440,6 @@ def _decode_split_kernel(
                         if NK == 4:
                             f20, f21, g20, g21 = _fold_key_words(sw2, zw2, 2, DK, G, BF16, KODD, KFK)
                             f30, f31, g30, g31 = _fold_key_words(sw3, zw3, 3, DK, G, BF16, KODD, KFK)
-                        else:
-                            f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                     else:
                         f00, f01, g00, g01 = _key_pairs(srow, zrow, kcols, 0, DK, G, KBITS, DT, BF16, KASM, KODD,
                                                         KFK)
@@ -455,8 +453,8 @@ def _decode_split_kernel(
                                                             KODD, KFK)
                             f30, f31, g30, g31 = _key_pairs(srow, zrow, kcols, 3, DK, G, KBITS, DT, BF16, KASM,
                                                             KODD, KFK)
-                        else:
-                            f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
+                    if NK != 4:  # planes 2 and 3 exist only with 2-bit keys; the unpack's unused arguments
+                        f20, f21, g20, g21, f30, f31, g30, g31 = f00, f01, g00, g01, f00, f01, g00, g01
                     if KASM:
                         kp = pairs_asm(kw, f00, g00, f01, g01, f10, g10, f11, g11,
                                        f20, g20, f21, g21, f30, g30, f31, g31, KBITS, BF16, KODD, SRCMIN)
@@ -769,7 +767,7 @@ def _vhint(d: int, step: int, key_bits: int, value_bits: int) -> dict:
     v = os.environ.get("KIVI_DECODE_VHINT", "auto")
     if v not in ("auto", "0", "1"):
         raise ValueError(f"KIVI_DECODE_VHINT must be one of auto, 0, 1; got {v!r}")
-    auto = step >= 64 and (d >= 128 or key_bits == value_bits == 4)
+    auto = step >= 64 and (d >= 128 or max(key_bits, value_bits) <= 4)
     return dict(VHINT=int(v == "1" or (v == "auto" and auto)))
 
 

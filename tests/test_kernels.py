@@ -629,8 +629,9 @@ def test_decode_value_hint_setting(monkeypatch):
 
     auto = {(d, step, kb, vb): A._vhint(d, step, kb, vb)["VHINT"] for d in (64, 128, 256) for step in (32, 64)
             for kb in (2, 4, 8) for vb in (2, 4, 8)}
-    assert auto == {(d, step, kb, vb): int(step == 64 and (d >= 128 or kb == vb == 4)) for d, step, kb, vb in auto}
-    assert auto[128, 64, 2, 2] == auto[64, 64, 4, 4] == 1 and auto[64, 64, 2, 2] == auto[128, 32, 4, 4] == 0
+    assert auto == {(d, step, kb, vb): int(step == 64 and (d >= 128 or max(kb, vb) <= 4)) for d, step, kb, vb in auto}
+    assert auto[128, 64, 2, 2] == auto[64, 64, 4, 4] == auto[64, 64, 2, 2] == auto[64, 64, 4, 2] == 1
+    assert auto[64, 64, 8, 4] == auto[64, 64, 4, 8] == auto[128, 32, 4, 4] == auto[64, 32, 2, 2] == 0
     args = decode_case(2, 2, 2, 128, 64, 32, 4, 4, torch.float16, [96, 150], [5, 33])
     for v in ("1", "0"):
         monkeypatch.setenv("KIVI_DECODE_VHINT", v)
