@@ -760,15 +760,20 @@ def _vhint(d: int, step: int, key_bits: int, value_bits: int) -> dict:
     3.9's (SASS per 64-token step 4/4 1472 -> 1461, 3.9: 1452; same cp.async widths), and 3.9 decoded 4-12% faster
     than 3.6 on the H200 (eval/NOTES.md, session 27); with the hint 3.6 decodes 2-9% faster (int4, head_dim 128,
     bit-equal outputs; session 28, ``eval/results/ab_vhint_s28.json``). Default ``KIVI_DECODE_VHINT=auto``: on for
-    64-token steps at head_dim >= 128, and at head_dim 64 for 4-bit keys and values (168 -> 187 registers, 12 -> 8
-    warps per SM, yet 3-11% faster on the H200 under 3.6: session 29, ``eval/results/ab_d64_t36_s29.json``); off for
-    32-token steps (3.6 then spills: 903 -> 1553 instructions) and the other head_dim-64 widths (2/2 bits: -3% to
-    +8%, mixed). ``1``/``0`` force it."""
+    64-token steps at head_dim >= 128, and at head_dim 64 for 2- and 4-bit keys and values: 4/4 bits 3-11% faster on
+    the H200 under 3.6 (168 -> 187 registers, 12 -> 8 warps per SM: session 29, ``eval/results/ab_d64_t36_s29.json``);
+    with KSZ on (session 32, ``ab_vhint64_ksz_s32.json``, ``ab_vhint64_g64_s32.json``) 2/2 g32 1.5-2.7%, 2/4 g32
+    5.7-7.0%, 4/2 g32 -0.4% to +6.1%, 2/2 g64 0.1-3.2%, 4/2 g64 (the Int2 preset) 1.1-5.3% (without KSZ, session
+    29, 2/2 bits were mixed: -3% to +8%). Off for 32-token steps (3.6 then spills: 903 -> 1553 instructions) and for
+    8-bit keys or values at head_dim 64 (not timed). Under 3.9 it changes no instruction. ``1``/``0`` force it."""
     v = os.environ.get("KIVI_DECODE_VHINT", "auto")
     if v not in ("auto", "0", "1"):
         raise ValueError(f"KIVI_DECODE_VHINT must be one of auto, 0, 1; got {v!r}")
     auto = step >= 64 and (d >= 128 or max(key_bits, value_bits) <= 4)
     return dict(VHINT=int(v == "1" or (v == "auto" and auto)))
+
+
+_TRITON_36 = triton.__version__.startswith("3.6")  # the GPU image's Triton, where _ksz's bf16 rule was timed
 
 
 def _ksz(d: int, key_bits: int, bf16: bool = False) -> dict:
@@ -784,14 +789,16 @@ def _ksz(d: int, key_bits: int, bf16: bool = False) -> dict:
     and ``ab_ksz_d128_s31.json``): head_dim 64 2/2 bits 24-27% faster (32 x 8 x 32k 0.2414 -> 0.1827 ms, as fast as
     3.9), 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower nowhere; under 3.9 (head_dim 64)
     2/2 bits 2%, 4/4 +2% / -3%. Outputs within 1e-3 relative (bit-equal where the split count is unchanged).
-    ``auto``: on at head_dim 64, and at 128 for fp16. bf16 builds at head_dim 128 sit at the 255-register cap, and
-    the one load keeps more words live: 2/2 bits g32 spill 4 registers per step under 3.9, g64 2 under 3.6
-    (``eval/results/sass_ksz_bf16_s31.json``); at head_dim 256 every build spills with or without it and it moves
-    the count by -1% to +1.4% (``sass_ksz_d256_s31.json``). No GPU run has timed those."""
+    ``auto``: on at head_dim 64; at 128 for fp16, and for bf16 under Triton 3.6. bf16 builds at head_dim 128 sit at
+    the 255-register cap, and the one load keeps more words live: 2/2 bits g32 spill 4 registers per step under 3.9,
+    g64 2 under 3.6 (``eval/results/sass_ksz_bf16_s31.json``). Timed anyway (session 32, bf16, CUDA graphs): under
+    3.6 1-8% faster at every row (2/2 g64 32 x 8 x 32k 0.3255 -> 0.3010 ms; ``ab_ksz_bf16_d128_s32.json``), under
+    3.9 -0.9% to +0.8% (``ab_ksz_bf16_d128_t39_s32.json``), so off there. At head_dim 256 every build spills with
+    or without it and it moves the count by -1% to +1.4% (``sass_ksz_d256_s31.json``); not timed, off."""
     v = os.environ.get("KIVI_DECODE_KSZ", "auto")
     if v not in ("auto", "0", "1"):
         raise ValueError(f"KIVI_DECODE_KSZ must be one of auto, 0, 1; got {v!r}")
-    on = v == "1" or (v == "auto" and (d < 128 or (d == 128 and not bf16)))
+    on = v == "1" or (v == "auto" and (d < 128 or (d == 128 and (not bf16 or _TRITON_36))))
     return dict(KSZ=int(on and key_bits in (2, 4)))
 
 

@@ -96,7 +96,7 @@ DECODE_BUDGETS = [
     # and is no worse (eval/candidates/T39.md); other versions get a little slack (their register allocation
     # differs, see the 32-token test below)
     # (with session 31's default KSZ on for fp16: 1449 / 1459 and 1227 / 1236 SASS per step; bf16 at head_dim 128
-    # keeps KSZ off: 1290 / 1286)
+    # has it on under 3.6 only since session 32: 1282 / 1286)
     ((), 3.05),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16 (2.83 / 2.85, 0 spills)
     (("KBITS=4", "VBITS=2", "G=64"), 2.8),  # Int2PagedCache shape (2.40 / 2.41)
     (("KBITS=2", "VBITS=2", "BF16=1"), 3.0),  # 2/2 bits, bf16 PTX (2.52 / 2.51)
