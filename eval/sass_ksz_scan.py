@@ -21,13 +21,15 @@ CONFIGS = [(f"D={d}", f"KBITS={kb}", f"VBITS={vb}", f"G={g}", f"KSZ={ksz}")
            for d in (64, 128) for kb, vb in ((4, 4), (2, 2), (4, 2), (2, 4)) for g in (32, 64) for ksz in (0, 1)]
 
 
-def builds(pythonpath: str, configs: list) -> tuple[str, list]:
-    """(Triton version, [summary or error per ``configs`` entry]) with ``pythonpath`` first on the path."""
+def builds(pythonpath: str, configs: list, env_per: list | None = None) -> tuple[str, list]:
+    """(Triton version, [summary or error per ``configs`` entry]) with ``pythonpath`` first on the path; ``env_per``:
+    extra sass_decode settings per entry (e.g. ``{"W": "2"}``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
     version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], env=env,
                              capture_output=True, text=True, check=True).stdout.strip()
-    spec = [dict(script="decode", args=list(c), env={"R": "0"}) for c in configs]
+    spec = [dict(script="decode", args=list(c), env={"R": "0", **(e or {})})
+            for c, e in zip(configs, env_per or [None] * len(configs), strict=True)]
     out = subprocess.run([sys.executable, os.path.join(HERE, "sass_batch.py")], input=json.dumps(spec), env=env,
                          capture_output=True, text=True, check=True).stdout
     return version, [r.get("result", r) for r in json.loads(out.strip().splitlines()[-1])]
