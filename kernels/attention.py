@@ -792,7 +792,7 @@ def _ksz(d: int, key_bits: int, bf16: bool = False) -> dict:
     ``auto``: on at head_dim 64; at 128 for fp16, and for bf16 under Triton 3.6. bf16 builds at head_dim 128 sit at
     the 255-register cap, and the one load keeps more words live: 2/2 bits g32 spill 4 registers per step under 3.9,
     g64 2 under 3.6 (``eval/results/sass_ksz_bf16_s31.json``). Timed anyway (session 32, bf16, CUDA graphs): under
-    3.6 1-8% faster at every row (2/2 g64 32 x 8 x 32k 0.3255 -> 0.3010 ms; ``ab_ksz_bf16_d128_s32.json``), under
+    3.6 0.7-7.7% faster at every row (2/2 g64 32 x 8 x 32k 0.3255 -> 0.3010 ms; ``ab_ksz_bf16_d128_s32.json``), under
     3.9 -0.9% to +0.8% (``ab_ksz_bf16_d128_t39_s32.json``), so off there. At head_dim 256 every build spills with
     or without it and it moves the count by -1% to +1.4% (``sass_ksz_d256_s31.json``); not timed, off."""
     v = os.environ.get("KIVI_DECODE_KSZ", "auto")

@@ -694,13 +694,12 @@ def test_decode_key_scale_words_setting(monkeypatch):
     assert KA._ksz(64, 2) == KA._ksz(128, 4) == KA._ksz(64, 4, True) == {"KSZ": 1}
     assert KA._ksz(128, 2, True) == KA._ksz(128, 4, True) == {"KSZ": t36}
     assert KA._ksz(256, 4, True) == KA._ksz(256, 2) == KA._ksz(64, 8) == KA._ksz(128, 8, True) == {"KSZ": 0}
-    monkeypatch.setattr(KA, "_TRITON_36", not t36)
-    assert KA._ksz(128, 2, True) == {"KSZ": 1 - t36} and KA._ksz(128, 2) == {"KSZ": 1}
-    monkeypatch.setattr(KA, "_TRITON_36", bool(t36))
     for dt, d, want in ((torch.float16, 128, 1), (torch.bfloat16, 128, t36), (torch.bfloat16, 64, 1)):
         q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(1, 1, 1, d, 64, 32, 2, 2, dt, [70], [7])
         plan = KA._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 2, 2, 32, None, True, False)  # the launch's meta
         assert plan.meta["KSZ"] == want, (dt, d, plan.meta["KSZ"])
+    monkeypatch.setattr(KA, "_TRITON_36", not t36)  # the other Triton's rule
+    assert KA._ksz(128, 2, True) == {"KSZ": 1 - t36} and KA._ksz(128, 2) == {"KSZ": 1}
     args = decode_case(2, 2, 2, 64, 64, 32, 2, 2, torch.float16, [96, 150], [5, 33])
     run_decode(args, "decode ksz default", _force_half_dot=True)
     monkeypatch.setenv("KIVI_DECODE_KSZ", "1")
