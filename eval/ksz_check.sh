@@ -1,16 +1,19 @@
 # KSZ (kernels/attention.py _ksz): 2/4-bit keys' scale and zero words in one load per step. Default
-# KIVI_DECODE_KSZ=auto since session 31: on at head_dim 64 and for fp16 at 128 (bf16 builds at 128 sit at the
-# 255-register cap and spill with it: eval/results/sass_ksz_bf16_s31.json; at 256 everything spills either way:
-# sass_ksz_d256_s31.json). Session 31 measured the fp16 A/B (`ab`, Triton 3.6): head_dim 64 2/2 bits 24-27% faster,
-# 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower nowhere (eval/results/ab_ksz_d{64,128}_s31.json).
+# KIVI_DECODE_KSZ=auto since session 31: on at head_dim 64, at 128 for fp16, and (session 32) for bf16 at 128 under
+# Triton 3.6 only (those builds sit at the 255-register cap and spill a little with it: eval/results/
+# sass_ksz_bf16_s31.json; timed 0.7-7.7% faster under 3.6, neutral under 3.9: ab_ksz_bf16_d128{,_t39}_s32.json); off at
+# 256, where everything spills either way (sass_ksz_d256_s31.json). Session 31 measured the fp16 A/B (`ab`, Triton
+# 3.6): head_dim 64 2/2 bits 24-27% faster, 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower
+# nowhere (eval/results/ab_ksz_d{64,128}_s31.json).
 # Device commands (no carry):  bash eval/ksz_check.sh ab    (~5 minutes: fp16 A/Bs, the default against KSZ=0)
 #                              bash eval/ksz_check.sh bf16  (~5 minutes: bf16 A/Bs; at head_dim 128 KSZ=1 against
-#                                                            the default, which is off there)
+#                                                            the default, which was off there until session 32)
 #                              bash eval/ksz_check.sh vhint64 (~4 minutes: with KSZ on, VHINT at head_dim 64 where
 #                                  3.6 builds fewer instructions at the same residency (eval/results/
 #                                  sass_vhint_d64_ksz_s31.json: 2/2 g32 722 -> 702, 153 -> 168 registers, 12 warps
 #                                  per SM either way; 2/4 g32 783 -> 748; 4/2 g32 765 -> 739 only with a 168-register
-#                                  cap, otherwise 238 registers, 8 warps); outputs bit-equal expected
+#                                  cap, otherwise 238 registers, 8 warps); outputs bit-equal expected. Session 32:
+#                                  `vh` won (ab_vhint64_ksz_s32.json), on by default since
 #                              bash eval/ksz_check.sh s32 (carry [".t39"], ~9 minutes: session 32's A/Bs and tests)
 #                              bash eval/ksz_check.sh tests (~4 minutes: the GPU decode tests, default settings)
 . eval/device_env.sh
