@@ -1,10 +1,11 @@
-"""One function per paged operation; each picks the Triton kernel or the torch reference.
+"""One function per paged operation; each picks the Triton kernel or a torch implementation.
 
-Backend choice (``set_backend``): ``"auto"`` (default) uses the kernels for CUDA
-tensors when Triton is importable and the reference otherwise (CPU). On a CUDA
-tensor without working kernels the reference is used and a warning is issued
-once, so a GPU run is never silently slow. ``"torch"`` forces the reference,
-``"triton"`` forces the kernels (also on CPU under ``TRITON_INTERPRET=1``).
+Backend choice (``set_backend``): ``"auto"`` (default) uses the kernels for CUDA tensors when Triton is importable
+and the torch path otherwise (CPU): :mod:`kivi_cache.chunked`, which attends a chunk of pages at a time and never
+builds the dequantized history (the other operations are the reference's). On a CUDA tensor without working kernels
+the torch path is used and a warning is issued once, so a GPU run is never silently slow. ``"torch"`` forces the
+reference (:mod:`kivi_cache.reference`, the oracle: it dequantizes the whole history on each call), ``"triton"``
+forces the kernels (also on CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import warnings
 
 import torch
 
-from . import reference
+from . import chunked, reference
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
@@ -48,7 +49,7 @@ def _load_kernels():
 
 def kernel_error() -> str | None:
     """None where the Triton kernels load (what ``"auto"`` uses on CUDA tensors), else why not (the import's
-    error): a benchmark or a serving loop on a GPU can refuse to run on the slow reference instead of only warning
+    error): a benchmark or a serving loop on a GPU can refuse to run on the slow torch path instead of only warning
     (a checkout run without installing it, say, where ``kivi_cache.kernels`` is not importable)."""
     _load_kernels()
     return _kernel_error
@@ -65,18 +66,18 @@ def _impl(device_type: str):
         if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(f"backend 'triton' runs the kernels on CUDA tensors, or on other devices only under "
                                f"TRITON_INTERPRET=1 (set before kivi_cache.kernels is imported); got {device_type} "
-                               f"tensors (set_backend('auto') or 'torch' uses the reference there)")
+                               f"tensors (set_backend('auto') uses the torch path there, 'torch' the reference)")
         return mod
     if device_type != "cuda":
-        return reference
+        return chunked
     mod = _load_kernels()
     if mod is None:
         if not _warned:
             warnings.warn(
                 f"kivi_cache: Triton kernels unavailable ({_kernel_error}); falling back to the torch "
-                "reference on the GPU, which is much slower", RuntimeWarning, stacklevel=3)
+                "path on the GPU, which is much slower", RuntimeWarning, stacklevel=3)
             _warned = True
-        return reference
+        return chunked
     return mod
 
 
@@ -85,21 +86,22 @@ _unsupported_warned: set = set()
 
 def _call(name: str, device, *args, **kwargs):
     mod = _impl(device.type)
-    if mod is not reference and device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+    torch_path = mod is reference or mod is chunked
+    if not torch_path and device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
         # Triton launches on the current device: with a model spread over GPUs (device_map), a layer's
         # tensors may live on another one.
         with torch.cuda.device(device):
             return _call(name, device, *args, **kwargs)
-    if mod is reference or _backend == "triton":
+    if torch_path or _backend == "triton":
         return getattr(mod, name)(*args, **kwargs)
     try:
         return getattr(mod, name)(*args, **kwargs)
     except ValueError as exc:  # a shape or setting the kernels do not cover (e.g. head_dim 96), or a bad argument
-        # the reference checks the same arguments before writing anything: a bad one raises here, with no warning
-        out = getattr(reference, name)(*args, **kwargs)
+        # the torch path checks the same arguments before writing anything: a bad one raises here, with no warning
+        out = getattr(chunked, name)(*args, **kwargs)
         if name not in _unsupported_warned:
             warnings.warn(f"kivi_cache: {name} kernel does not support this configuration ({exc}); "
-                          "using the torch reference", RuntimeWarning, stacklevel=3)
+                          "using the torch path", RuntimeWarning, stacklevel=3)
             _unsupported_warned.add(name)
         return out
 
@@ -151,9 +153,10 @@ class DecodeRunner:
     """:func:`paged_decode_attention` over one fixed state (block table, lengths, page pool, window) called again and
     again with new queries (plan once, run many: the cache's decode steps). The Triton kernels'
     :class:`~kivi_cache.kernels.attention.DecodeRunner` where they run on the current device (it launches the
-    compiled kernels directly after a first ordinary call); otherwise, and for a configuration the kernels do not
-    cover, the ordinary op (with its fallback to the torch reference). ``direct=False``: always the ordinary op.
-    Build a new one when the state's tensors are replaced."""
+    compiled kernels directly after a first ordinary call); where the torch path runs, its
+    :class:`~kivi_cache.chunked.DecodeRunner` (the fixed tensors' checks once); otherwise, and for a configuration the
+    kernels do not cover, the ordinary op (with its fallback to the torch path). ``direct=False``: always the ordinary
+    op. Build a new one when the state's tensors are replaced."""
 
     def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size,
                  direct: bool = True, sliding_window: int | None = None):
@@ -164,12 +167,14 @@ class DecodeRunner:
         self.index = dev.index if dev.type == "cuda" else None
         mod = _impl(dev.type)
         self.kernel = None
-        if direct and mod is not reference and self.index is not None:
+        if direct and (mod is chunked or (mod is not reference and self.index is not None)):
             self.kernel = mod.DecodeRunner(block_table, lengths, *pool, res_k, res_v, key_bits, value_bits,
                                            group_size, sliding_window=sliding_window)
 
     def __call__(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
         k = self.kernel
+        if k is not None and self.index is None:  # the torch path's runner
+            return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
         if k is not None and torch.cuda.current_device() == self.index:
             try:
                 return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)

@@ -188,18 +188,25 @@ def _attend(q, k, v, valid, sm_scale, sink_logits=None):
     qf = q.float().reshape(bsz, hkv, grp * ql, d)
     scores = qf @ k.float().transpose(-1, -2) * sm_scale  # [B, Hkv, grp*L, S]
     scores = scores.reshape(bsz, hkv, grp, ql, k.shape[2])  # (no -1: an empty batch has no elements)
-    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    probs = softmax(scores, valid, sink_logits).reshape(bsz, hkv, grp * ql, k.shape[2])
+    out = probs @ v.float()
+    return out.reshape(bsz, hq, ql, d)
+
+
+def softmax(scores, valid, sink_logits=None):
+    """scores ``[B, Hkv, grp, L, S]`` fp32, valid ``[B, 1|L, S]`` bool (None: all valid) -> probabilities, zeros where
+    not valid. ``sink_logits`` ``[Hq]``: one more softmax column per query head, with no value (learned attention
+    sinks): in the sum, on no key."""
+    bsz, hkv, grp, ql, _ = scores.shape
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
     if sink_logits is not None:
         sink = sink_logits.float().reshape(1, hkv, grp, 1, 1).expand(bsz, hkv, grp, ql, 1)
         scores = torch.cat([scores, sink], dim=-1)
     # a query that may attend to nothing (a padding position of a chunk) gets zeros, not NaN: NaN would reach
     # the stored keys and values of the next layer and, through 0 * NaN, every query of that sequence
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    if sink_logits is not None:
-        probs = probs[..., :-1]  # the sink's weight: in the sum, on no value
-    probs = probs.reshape(bsz, hkv, grp * ql, k.shape[2])
-    out = probs @ v.float()
-    return out.reshape(bsz, hq, ql, d)
+    return probs[..., :-1] if sink_logits is not None else probs
 
 
 def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -212,12 +219,28 @@ def _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v
     win = (torch.arange(c, device=res_k.device)[None, :] < res_lengths[:, None].long())[:, None, :, None]
     k = torch.cat([hk.to(res_k.dtype), torch.where(win, res_k, 0)], dim=2)
     v = torch.cat([hv.to(res_v.dtype), torch.where(win, res_v, 0)], dim=2)
-    pos = torch.arange(t + c, device=res_k.device)
+    return (k, v, *positions(lengths, res_lengths, t, c))
+
+
+def positions(lengths, res_lengths, t: int, c: int):
+    """For keys laid out as ``t`` page slots then ``c`` window slots: valid ``[B, t + c]`` bool (a stored token) and
+    each key's index among its sequence's stored tokens ``[B, t + c]`` (pages first, then the window)."""
+    pos = torch.arange(t + c, device=lengths.device)
     valid = torch.where(pos[None, :] < t, pos[None, :] < lengths[:, None].long(),
                         (pos[None, :] - t) < res_lengths[:, None].long())
-    # each key's index among the sequence's stored tokens: pages first, then the window
     index = torch.where(pos[None, :] < t, pos[None, :], lengths[:, None].long() + pos[None, :] - t)
-    return k, v, valid, index  # [B, S] each
+    return valid, index
+
+
+def write_new_token(res_k, res_v, res_lengths, new_k, new_v) -> None:
+    """The decode ops' step token (``new_k``/``new_v`` ``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``): written into the
+    window at ``res_lengths[b] - 1`` of each sequence with a non-empty window, in place."""
+    if new_k.dim() == 4:
+        new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
+    rows = (res_lengths > 0).nonzero().squeeze(-1)
+    last = res_lengths.long()[rows] - 1
+    res_k[rows, :, last] = new_k[rows].to(res_k.dtype)
+    res_v[rows, :, last] = new_v[rows].to(res_v.dtype)
 
 
 def _in_window(index, query_index, window):
@@ -255,12 +278,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     checks.check_sink_logits(sink_logits, q)
     checks.check_new_token(new_k, new_v, q, k_codes)
     if new_k is not None:
-        if new_k.dim() == 4:
-            new_k, new_v = new_k[:, :, 0], new_v[:, :, 0]
-        rows = (res_lengths > 0).nonzero().squeeze(-1)
-        last = res_lengths.long()[rows] - 1
-        res_k[rows, :, last] = new_k[rows].to(res_k.dtype)
-        res_v[rows, :, last] = new_v[rows].to(res_v.dtype)
+        write_new_token(res_k, res_v, res_lengths, new_k, new_v)
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                   res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     newest = (lengths.long() + res_lengths.long() - 1)[:, None]

@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 import kivi_cache
-from kivi_cache import ops, reference
+from kivi_cache import chunked, ops, reference
 
 
 def test_kernels_load_here_and_kernel_error_is_none():
@@ -26,11 +26,13 @@ def broken_kernels(monkeypatch):
 def test_unloadable_kernels_warn_once_on_cuda_and_say_why(broken_kernels):
     assert "cannot import name 'kernels'" in kivi_cache.kernel_error()
     with pytest.warns(RuntimeWarning, match="Triton kernels unavailable .*cannot import name 'kernels'"):
-        assert ops._impl("cuda") is reference
+        assert ops._impl("cuda") is chunked
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ops._impl("cuda") is reference  # once
-        assert ops._impl("cpu") is reference
+        assert ops._impl("cuda") is chunked  # once
+        assert ops._impl("cpu") is chunked
+    kivi_cache.set_backend("torch")  # the oracle, forced
+    assert ops._impl("cuda") is ops._impl("cpu") is reference
     kivi_cache.set_backend("triton")
     with pytest.raises(RuntimeError, match="backend 'triton' requested but the kernels cannot load"):
         ops._impl("cuda")

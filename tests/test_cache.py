@@ -116,6 +116,7 @@ def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, p
 
     def run(fuse):
         monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)
+        monkeypatch.setattr(L, "DECODE_RUNNER", False)  # the op's ordinary call every step: the spy sees each one
         seen = []
         real = L.ops.paged_decode_attention
 

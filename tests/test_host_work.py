@@ -55,6 +55,7 @@ def test_an_eager_decode_step_dispatches_no_more_tensor_ops_than_the_dynamic_cac
         return q.new_zeros(q.shape)
 
     monkeypatch.setattr(L.ops, "paged_decode_attention", paged_attention)
+    monkeypatch.setattr(L, "DECODE_RUNNER", False)  # every step through the stand-in (not the torch path's runner)
     ours = _decode_step_ops(model, Int4PagedCache(), prompt)
     ours["new_zeros"] -= layers  # the stand-in's own outputs in the counted step
     assert len(calls) == 2 * layers  # the two decode steps (the first one is not counted)

@@ -367,14 +367,14 @@ def test_prefix_checks_the_chunks_devices(mod, name):
 
 
 def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
-    """kivi_cache.ops in "auto" on a GPU falls back to the reference, with one warning per op, where the kernels
+    """kivi_cache.ops in "auto" on a GPU falls back to the torch path, with one warning per op, where the kernels
     reject a configuration they do not cover. A bad argument (rejected by both backends) went the same way: the
     warning "kernel does not support this configuration (...); using the torch reference", then the reference's
     ValueError, and the op's one warning used up for later real fallbacks. Now the error alone. (The kernels under
     the interpreter stand in for CUDA here.)"""
     import warnings
 
-    from kivi_cache import ops
+    from kivi_cache import chunked, ops
 
     monkeypatch.setattr(ops, "_impl", lambda device_type: K)
     monkeypatch.setattr(ops, "_unsupported_warned", set())
@@ -392,5 +392,7 @@ def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
         out = ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, res_k=a["res_k"],
                                          res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
                                          group_size=G, sm_scale=0.125)
-    assert torch.equal(out, R.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, a["res_k"],
-                                                     a["res_v"], a["res_lengths"], 4, 4, G, 0.125))
+    args = (a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"], a["res_lengths"], 4, 4, G, 0.125)
+    assert torch.equal(out, chunked.paged_decode_attention(*args))  # the torch path (session 33; the reference before)
+    ref = R.paged_decode_attention(*args)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3

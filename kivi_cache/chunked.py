@@ -1,0 +1,249 @@
+"""Paged attention in plain torch, a chunk of pages at a time: the path where the Triton kernels do not run.
+
+:mod:`kivi_cache.reference` (the oracle) dequantizes every page into a full-precision history on each call, then
+concatenates the window and attends. This path never builds the history: it dequantizes a chunk of pages at a time
+(:data:`CHUNK_CODES` codes, so its transient memory is bounded at any length), each in one pass from the packed
+codes (``code * scale + zero``, one ``addcmul`` from the unpacked bytes), and attends to the pages and the window
+separately: the keys' scores for every chunk first (they are small), one softmax, then the values chunk by chunk.
+Value codes stay in the order :func:`_unpack` leaves them (:mod:`kivi_cache.quant`'s token-pair layout) and the
+probabilities and value scales are permuted to match, so the large tensors are never reordered. Pages before every
+sequence's sliding window are not read. Arithmetic is fp32; the reference rounds the dequantized history to the
+scale dtype before attending, so the two agree to that rounding (in fp32 up to summation order).
+
+Same functions, signatures and argument checks as the reference (the other operations are the reference's own), and
+a :class:`DecodeRunner` like the kernels' (the fixed tensors checked once): what :mod:`kivi_cache.ops` runs where the
+Triton kernels do not (the CPU, a GPU without working kernels). On the SmolLM2 CPU decode step it takes about a third
+of the reference's time (``eval/cpu_step.py``, ``eval/NOTES.md`` session 33).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .quant import qmax
+from .reference import _in_window as in_window
+from .reference import (  # noqa: F401  (the operations this path shares with the reference)
+    append_and_flush,
+    dequantize_pages,
+    positions,
+    quantize_and_write,
+    softmax,
+    write_new_token,
+)
+
+CHUNK_CODES = 1 << 22  # codes of keys (and of values) dequantized at a time: 16 MiB as fp32
+
+
+def _unpack(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed rows ``[..., R]`` -> uint8 codes ``[..., R * 8 // bits]``: bit field ``k`` of every byte, for ``k = 0,
+    1, ...``, one block after the other (scalar shifts: one op per field, several times faster on the CPU than one
+    shift by a broadcast vector). Planar key rows (:mod:`kivi_cache.quant`) come out in channel order; value rows as
+    ``(k, w, h, q)`` over field ``k``, word ``w`` and byte ``q + 2 h`` of the word: token ``tw w + 4 k + 2 q + h``
+    (``tw = 32 // bits``)."""
+    if bits == 8:
+        return x
+    m, n = qmax(bits), 8 // bits
+    return torch.cat([x & m] + [(x >> (k * bits)) & m for k in range(1, n - 1)] + [x >> (8 - bits)], dim=-1)
+
+
+def _storage_perm(bits: int, p: int, device) -> torch.Tensor:
+    """``[P]`` long: the page token at each position of :func:`_unpack`'s order of a value row."""
+    key = (bits, p, device)
+    perm = _PERMS.get(key)
+    if perm is None:
+        n = 8 // bits
+        w, k, q, h = torch.meshgrid(torch.arange(p // (4 * n)), torch.arange(n), torch.arange(2), torch.arange(2),
+                                    indexing="ij")
+        token = (4 * n * w + 4 * k + 2 * q + h).permute(1, 0, 3, 2)  # (k, w, h, q): the unpacked order
+        perm = _PERMS[key] = token.reshape(-1).to(device)
+    return perm
+
+
+_PERMS: dict = {}
+
+
+def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_scale, other_k, other_v, keep,
+            first, lens, sink_logits):
+    """q ``[B, Hq, L, D]`` over each sequence's pages from page ``first`` of its block table on, and ``other_k``/
+    ``other_v`` (``[B, Hkv, S, D]``, full precision, zeros where not valid). ``keep`` ``[B, 1 | L, T + S]`` (``T``
+    page slots from page 0, then the others) says which key each query sees; None: every stored token (``lens``,
+    ``lengths`` as a list, tells which page slots hold one). -> fp32 ``[B, Hq, L, D]``."""
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = pool
+    bsz, hq, ql, d = q.shape
+    _, h, p, _ = k_codes.shape
+    g = group_size
+    m = hq // h * ql
+    top = max(lens, default=0)
+    npages = -(-top // p)
+    step = max(1, CHUNK_CODES // max(1, bsz * h * p * d))
+    chunks = [(a, min(a + step, npages)) for a in range(first, npages, step)]
+    qf = q.float().reshape(bsz, h, m, d) * sm_scale
+
+    def gather(x, pages, n, *shape):  # [B, H, n, *shape]: the chunk's pages of a pool tensor
+        return x.index_select(0, pages).view(bsz, n, h, *shape).transpose(1, 2)
+
+    def pages_of(a, e):
+        pages = block_table[:, a:e].reshape(-1)
+        return pages.clamp(min=0) if bsz > 1 else pages  # (-1 past a shorter sequence's pages: its slots are masked)
+
+    parts = []
+    for a, e in chunks:  # keys [B, H, n, P/G, G, D] = code * scale + zero, from the codes in one pass
+        n, pages = e - a, pages_of(a, e)
+        codes = _unpack(gather(k_codes, pages, n, p, k_codes.shape[-1]), key_bits).view(bsz, h, n, p // g, g, d)
+        k = torch.empty(bsz, h, n, p // g, g, d, device=q.device)  # (addcmul's own output follows the zeros' strides)
+        zero, scale = gather(k_zero, pages, n, p // g, 1, d).float(), gather(k_scale, pages, n, p // g, 1, d).float()
+        torch.addcmul(zero, codes, scale, out=k)
+        parts.append(qf @ k.view(bsz, h, n * p, d).transpose(-1, -2))
+    if keep is None and parts:  # the page slots past the longest sequence: not keys (one length: none left over)
+        parts[-1] = parts[-1][..., :parts[-1].shape[-1] - (npages * p - top)]
+    parts.append(qf @ other_k.float().transpose(-1, -2))
+    scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    keys = scores.shape[-1]  # (no -1 in the views: an empty batch has no elements)
+    probs = softmax(scores.view(bsz, h, hq // h, ql, keys), None if keep is None else keep[..., first * p:],
+                    sink_logits).view(bsz, h, m, keys)
+    paged = keys - other_k.shape[2]
+    out = probs[..., paged:] @ other_v.float()  # [B, H, M, D]
+    if not chunks:
+        return out.reshape(bsz, hq, ql, d)
+    pp = probs[..., :paged]
+    if paged < (npages - first) * p:
+        pp = torch.nn.functional.pad(pp, (0, (npages - first) * p - paged))
+    perm = _storage_perm(value_bits, p, q.device)
+    short = min(lens) < npages * p  # page slots past some sequence's length: their scales and zeros may be anything
+
+    def per_token(x, pages, n):  # value scales or zeros of the chunk, tokens in the codes' order: [B, H, D/G, 1, n, P]
+        x = x.index_select(0, pages).index_select(-1, perm).float()
+        return x.view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
+
+    for a, e in chunks:  # values [B, H, D, n P], tokens in the codes' order (the probabilities permuted to match)
+        n, pages = e - a, pages_of(a, e)
+        vs, vz = per_token(v_scale, pages, n), per_token(v_zero, pages, n)
+        if short:
+            here = ((torch.arange(a * p, e * p, p, device=q.device)[:, None] + perm).view(-1)[None, :]
+                    < lengths[:, None]).view(bsz, 1, 1, 1, n, p)
+            vs, vz = torch.where(here, vs, 0), torch.where(here, vz, 0)
+        codes = _unpack(v_codes.index_select(0, pages).view(bsz, n, h, d, -1).permute(0, 2, 3, 1, 4), value_bits)
+        v = torch.empty(bsz, h, d // g, g, n, p, device=q.device)
+        torch.addcmul(vz, codes.view(bsz, h, d // g, g, n, p), vs, out=v)
+        pr = pp[..., (a - first) * p:(e - first) * p].reshape(bsz, h, m, n, p).index_select(-1, perm)
+        out += pr.view(bsz, h, m, n * p) @ v.view(bsz, h, d, n * p).transpose(-1, -2)
+    return out.reshape(bsz, hq, ql, d)
+
+
+def _window(res_k, res_v, res_lengths, rls):
+    """The window cut to its longest sequence's tokens (``rls``: ``res_lengths`` as a list), zeros in the other
+    sequences' empty slots."""
+    c = max(rls, default=0)
+    rk, rv = res_k[:, :, :c], res_v[:, :, :c]
+    if min(rls, default=c) < c:
+        win = (torch.arange(c, device=res_k.device)[None, :] < res_lengths[:, None])[:, None, :, None]
+        rk, rv = torch.where(win, rk, 0), torch.where(win, rv, 0)
+    return rk, rv
+
+
+def _first_page(lens, first_query, sliding_window, p: int) -> int:
+    """The first page any query can see: 0, or with a sliding window the page of the earliest key any sequence's
+    first query (``first_query`` ``[B]``) sees."""
+    if sliding_window is None or not lens:
+        return 0
+    return max(0, min(int(first_query.min()) - sliding_window + 1, max(lens))) // p
+
+
+def _decode(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size, sm_scale,
+            new_k, new_v, sliding_window, sink_logits):
+    """:func:`paged_decode_attention` after its checks."""
+    lens, rls = lengths.tolist(), res_lengths.tolist()
+    if not lens:
+        return torch.zeros_like(q)
+    if new_k is not None:
+        r = rls[0]
+        if r > 0 and rls.count(r) == len(rls):  # one window length (the cache's steps): two slice copies
+            res_k[:, :, r - 1] = new_k.reshape(res_k.shape[0], res_k.shape[1], res_k.shape[3])
+            res_v[:, :, r - 1] = new_v.reshape(res_v.shape[0], res_v.shape[1], res_v.shape[3])
+        else:
+            write_new_token(res_k, res_v, res_lengths, new_k, new_v)
+    rk, rv = _window(res_k, res_v, res_lengths, rls)
+    p = pool[0].shape[2]
+    first, keep = 0, None
+    if sliding_window is not None or lens.count(lens[0]) < len(lens) or rls.count(rls[0]) < len(rls):
+        newest = (lengths.long() + res_lengths.long() - 1)[:, None]
+        first = _first_page(lens, newest[:, 0], sliding_window, p)
+        valid, index = positions(lengths, res_lengths, -(-max(lens) // p) * p, rk.shape[2])
+        keep = valid[:, None] & in_window(index, newest, sliding_window)
+    out = _attend(q[:, :, None], block_table, lengths, pool, key_bits, value_bits, group_size, sm_scale, rk, rv,
+                  keep, first, lens, sink_logits)
+    return out[:, :, 0].to(q.dtype)
+
+
+def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                           res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
+                           sm_scale: float, *, new_k=None, new_v=None, merge: bool = True,
+                           sliding_window: int | None = None, sink_logits=None):
+    """:func:`kivi_cache.reference.paged_decode_attention`, computed without dequantizing the history."""
+    pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    checks.check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
+                           group_size)
+    checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
+    checks.check_sink_logits(sink_logits, q)
+    checks.check_new_token(new_k, new_v, q, k_codes)
+    return _decode(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size,
+                   sm_scale, new_k, new_v, sliding_window, sink_logits)
+
+
+class DecodeRunner:
+    """:func:`paged_decode_attention` split into plan and run, as the kernels' :class:`kivi_cache.kernels.attention.
+    DecodeRunner` is (the cache's layer between two changes of its block table). The first run with a given shape,
+    dtype and device of what changes per step (``q``, ``res_lengths``, the step's token, the sink logits) is the
+    ordinary call, with all its checks; later ones skip the checks of the fixed tensors (the block table, lengths,
+    pool and window: they may be written to, not replaced or resized; build a new runner then)."""
+
+    def __init__(self, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
+                 key_bits: int, value_bits: int, group_size: int, sliding_window: int | None = None):
+        checks.check_sliding_window(sliding_window)
+        self.fixed = (block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v)
+        self.bits = (key_bits, value_bits, group_size)
+        self.sliding_window = sliding_window
+        self._checked: set = set()
+        self.fast_runs = 0  # for tests
+
+    def run(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
+        """Attention of one query token per sequence, ``q`` ``[B, Hq, D]``; returns ``[B, Hq, D]``."""
+        bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
+        key = tuple(None if t is None else (t.shape, t.dtype, t.device)
+                    for t in (q, res_lengths, new_k, new_v, sink_logits))
+        if key in self._checked:
+            checks.check_sm_scale(sm_scale)
+            self.fast_runs += 1
+            return _decode(q, bt, ql, (kc, ks, kz, vc, vs, vz), rk, rv, res_lengths, *self.bits, sm_scale, new_k,
+                           new_v, self.sliding_window, sink_logits)
+        out = paged_decode_attention(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, res_lengths, *self.bits, sm_scale,
+                                     new_k=new_k, new_v=new_v, sliding_window=self.sliding_window,
+                                     sink_logits=sink_logits)
+        self._checked.add(key)
+        return out
+
+
+def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                           res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
+                           group_size: int, sm_scale: float, *, sliding_window: int | None = None, sink_logits=None):
+    """:func:`kivi_cache.reference.paged_prefix_attention`, computed without dequantizing the history."""
+    pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    checks.check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
+                           group_size)
+    checks.check_prefix_chunk(q, new_k, new_v, new_mask)
+    checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
+    checks.check_sink_logits(sink_logits, q)
+    lens, rls = lengths.tolist(), res_lengths.tolist()
+    rk, rv = _window(res_k, res_v, res_lengths, rls)
+    p = k_codes.shape[2]
+    queries = (lengths.long() + res_lengths.long())[:, None] + torch.arange(q.shape[2], device=q.device)[None, :]
+    valid, index = positions(lengths, res_lengths, -(-max(lens, default=0) // p) * p, rk.shape[2])
+    keep = torch.cat([valid[:, None, :] & in_window(index, queries, sliding_window), new_mask], dim=2)
+    return _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_scale,
+                   torch.cat([rk, new_k.to(rk.dtype)], dim=2), torch.cat([rv, new_v.to(rv.dtype)], dim=2), keep,
+                   _first_page(lens, queries[:, 0], sliding_window, p), lens, sink_logits).to(q.dtype)
