@@ -63,6 +63,24 @@ def _storage_perm(bits: int, p: int, device) -> torch.Tensor:
 _PERMS: dict = {}
 
 
+def _stored(lengths, lens, start: int, n: int, p: int, perm) -> torch.Tensor:
+    """``[B, n P]`` bool: the slots of pages ``start / P ..`` (``n`` of them, each in ``perm``'s order) that hold a
+    token of their sequence (slot < its length). One sequence: cached by its length (a view, no op)."""
+    if len(lens) == 1:
+        key = (lens[0] - start, n, p, perm.data_ptr())
+        out = _STORED.get(key)
+        if out is None:
+            if len(_STORED) > 64:
+                _STORED.clear()
+            out = _STORED[key] = ((torch.arange(0, n * p, p, device=perm.device)[:, None] + perm).view(1, -1)
+                                  < lens[0] - start)
+        return out
+    return (torch.arange(start, start + n * p, p, device=perm.device)[:, None] + perm).view(1, -1) < lengths[:, None]
+
+
+_STORED: dict = {}
+
+
 def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_scale, other_k, other_v, keep,
             first, lens, sink_logits):
     """q ``[B, Hq, L, D]`` over each sequence's pages from page ``first`` of its block table on, and ``other_k``/
@@ -80,12 +98,19 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     chunks = [(a, min(a + step, npages)) for a in range(first, npages, step)]
     qf = q.float().reshape(bsz, h, m, d) * sm_scale
 
-    def gather(x, pages, n, *shape):  # [B, H, n, *shape]: the chunk's pages of a pool tensor
-        return x.index_select(0, pages).view(bsz, n, h, *shape).transpose(1, 2)
-
-    def pages_of(a, e):
+    def pages_of(a, e):  # the chunk's pages: a first page where one sequence's are consecutive (a view), else ids
+        if bsz == 1:
+            row = block_table[0, a:e].tolist()
+            if row[0] >= 0 and row == list(range(row[0], row[0] + e - a)):
+                return row[0]
         pages = block_table[:, a:e].reshape(-1)
         return pages.clamp(min=0) if bsz > 1 else pages  # (-1 past a shorter sequence's pages: its slots are masked)
+
+    def take(x, pages, n):  # [B * n, ...]: the chunk's pages of a pool tensor
+        return x.narrow(0, pages, n) if isinstance(pages, int) else x.index_select(0, pages)
+
+    def gather(x, pages, n, *shape):  # [B, H, n, *shape]
+        return take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
 
     parts = []
     for a, e in chunks:  # keys [B, H, n, P/G, G, D] = code * scale + zero, from the codes in one pass
@@ -100,8 +125,11 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     parts.append(qf @ other_k.float().transpose(-1, -2))
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     keys = scores.shape[-1]  # (no -1 in the views: an empty batch has no elements)
-    probs = softmax(scores.view(bsz, h, hq // h, ql, keys), None if keep is None else keep[..., first * p:],
-                    sink_logits).view(bsz, h, m, keys)
+    if keep is None and sink_logits is None:  # every query sees a key: no mask, no empty row
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = softmax(scores.view(bsz, h, hq // h, ql, keys), None if keep is None else keep[..., first * p:],
+                        sink_logits).view(bsz, h, m, keys)
     paged = keys - other_k.shape[2]
     out = probs[..., paged:] @ other_v.float()  # [B, H, M, D]
     if not chunks:
@@ -113,21 +141,21 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     short = min(lens) < npages * p  # page slots past some sequence's length: their scales and zeros may be anything
 
     def per_token(x, pages, n):  # value scales or zeros of the chunk, tokens in the codes' order: [B, H, D/G, 1, n, P]
-        x = x.index_select(0, pages).index_select(-1, perm).float()
+        x = take(x, pages, n).index_select(-1, perm).float()
         return x.view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
 
     for a, e in chunks:  # values [B, H, D, n P], tokens in the codes' order (the probabilities permuted to match)
         n, pages = e - a, pages_of(a, e)
         vs, vz = per_token(v_scale, pages, n), per_token(v_zero, pages, n)
         if short:
-            here = ((torch.arange(a * p, e * p, p, device=q.device)[:, None] + perm).view(-1)[None, :]
-                    < lengths[:, None]).view(bsz, 1, 1, 1, n, p)
+            here = _stored(lengths, lens, a * p, n, p, perm).view(bsz, 1, 1, 1, n, p)
             vs, vz = torch.where(here, vs, 0), torch.where(here, vz, 0)
-        codes = _unpack(v_codes.index_select(0, pages).view(bsz, n, h, d, -1).permute(0, 2, 3, 1, 4), value_bits)
+        codes = _unpack(take(v_codes, pages, n).view(bsz, n, h, d, -1).permute(0, 2, 3, 1, 4), value_bits)
         v = torch.empty(bsz, h, d // g, g, n, p, device=q.device)
         torch.addcmul(vz, codes.view(bsz, h, d // g, g, n, p), vs, out=v)
         pr = pp[..., (a - first) * p:(e - first) * p].reshape(bsz, h, m, n, p).index_select(-1, perm)
-        out += pr.view(bsz, h, m, n * p) @ v.view(bsz, h, d, n * p).transpose(-1, -2)
+        torch.baddbmm(out.view(bsz * h, m, d), pr.view(bsz * h, m, n * p), v.view(bsz * h, d, n * p).transpose(1, 2),
+                      out=out.view(bsz * h, m, d))  # out += pr @ v^T in one op
     return out.reshape(bsz, hq, ql, d)
 
 

@@ -29,11 +29,16 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def case(lengths, res_lengths, hkv=2, grp=3, d=64, p=64, bits=(4, 4, 32), dtype=torch.float32, c=None, poison=True):
-    """Decode arguments (the reference's order) with NaN in every slot that holds no token."""
+def case(lengths, res_lengths, hkv=2, grp=3, d=64, p=64, bits=(4, 4, 32), dtype=torch.float32, c=None, poison=True,
+         consecutive=False):
+    """Decode arguments (the reference's order) with NaN in every slot that holds no token. ``consecutive``: one
+    sequence's pages in order from page 2 (the path that reads them as a view)."""
     kb, vb, g = bits
     lengths_t = torch.tensor(lengths, dtype=torch.int32)
     bt, np_ = make_block_table(lengths, p)
+    if consecutive:
+        bt = (torch.arange(bt.shape[1], dtype=torch.int32) + 2)[None]
+        np_ = bt.shape[1] + 4
     pool = list(make_pool(np_, hkv, p, d, g, kb, vb, dtype))
     c = c or max(1, max(res_lengths))
     res_k = torch.randn(len(lengths), hkv, c, d).to(dtype)
@@ -76,6 +81,17 @@ def test_decode_matches_the_reference(bits, dtype):
     # one sequence with a partial last page; a batch of unequal lengths, an empty sequence, empty and full windows
     check_decode(case([864], [161], bits=bits, dtype=dtype))
     check_decode(case([96, 0, 416, 256], [5, 1, 33, 0], bits=bits, dtype=dtype, c=40))
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: "k{}v{}g{}".format(*b))
+def test_one_sequence_with_consecutive_pages(bits, monkeypatch):
+    """The pages read as a view of the pool (no gather), and the stored-slot mask cached by length."""
+    for n in (864, 896, 1000, 64):
+        args = case([n], [7], bits=bits, consecutive=True)
+        check_decode(args)
+        check_decode(args, sliding_window=300)
+    monkeypatch.setattr(F, "CHUNK_CODES", 3 * 64 * 64 * 2)  # 3 pages a chunk
+    check_decode(case([1000], [7], bits=bits, consecutive=True))
 
 
 @pytest.mark.parametrize("grp", [1, 4, 8])
