@@ -68,7 +68,8 @@ def steps_ms(model, ids, name: str, steps: int) -> list[float]:
         kivi_cache.set_backend("auto")
 
 
-def main(argv=None) -> dict:
+def main(argv=None, loaded=None) -> dict:
+    """``loaded``: ``(model, tokenizer)`` already loaded (the tests'), else SmolLM2 is loaded here."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default="1024,4096", help="comma-separated prompt lengths (tokens)")
     ap.add_argument("--steps", type=int, default=16)
@@ -91,7 +92,7 @@ def main(argv=None) -> dict:
             names.remove("quanto_int4")
     else:
         quanto = None
-    model, tok = models.load_smollm2()
+    model, tok = loaded or models.load_smollm2()
     text = tok(models.sample_text(), return_tensors="pt").input_ids
     rows = {}
     for n in (int(x) for x in args.prompts.split(",")):

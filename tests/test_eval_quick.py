@@ -143,3 +143,24 @@ def test_bench_sinks_quick_run(tmp_path):
     static = {row["cache"]: row for row in res["static"]}
     assert static["kivi-static-int4"]["pages_in_use"] < static["kivi-static-int4-no-ring"]["pages_in_use"]
     assert all(row["agree_with_hf_static"] == 6 for row in static.values())
+
+
+def test_cpu_step_runs_every_cache_and_names_a_bad_one(smollm2, tmp_path, capsys):
+    """eval/cpu_step.py (the README's CPU table): a short run of DynamicCache, ours and the reference, the backend
+    back to "auto" afterwards; an unknown cache name is an error naming --caches and the allowed names."""
+    import json
+
+    import kivi_cache
+
+    cpu_step = load_script("cpu_step")
+    with pytest.raises(SystemExit):
+        cpu_step.main(["--caches", "dynamic,fp8"])
+    assert "--caches: unknown ['fp8']; allowed: ('dynamic'" in capsys.readouterr().err
+    out = tmp_path / "step.json"
+    res = cpu_step.main(["--prompts", "40", "--steps", "2", "--rounds", "1", "--caches",
+                         "dynamic,kivi_int4,kivi_int4_reference", "--out", str(out)], loaded=smollm2)
+    assert kivi_cache.get_backend() == "auto"
+    row = json.loads(out.read_text())["prompts"]["40"]
+    assert set(row["median_ms"]) == {"dynamic", "kivi_int4", "kivi_int4_reference"}
+    assert all(v > 0 for v in row["median_ms"].values()) and row["vs_dynamic"]["dynamic"] == 1.0
+    assert res["threads"] >= 1
