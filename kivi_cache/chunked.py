@@ -22,10 +22,10 @@ import torch
 
 from . import checks
 from .quant import qmax
-from .reference import _in_window as in_window
 from .reference import (  # noqa: F401  (the operations this path shares with the reference)
     append_and_flush,
     dequantize_pages,
+    in_window,
     positions,
     quantize_and_write,
     softmax,
@@ -208,7 +208,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, new_k=None, new_v=None, merge: bool = True,
                            sliding_window: int | None = None, sink_logits=None):
-    """:func:`kivi_cache.reference.paged_decode_attention`, computed without dequantizing the history."""
+    """:func:`kivi_cache.reference.paged_decode_attention`, computed without building the dequantized history."""
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     checks.check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
                            group_size)
@@ -258,7 +258,7 @@ class DecodeRunner:
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                            res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int, value_bits: int,
                            group_size: int, sm_scale: float, *, sliding_window: int | None = None, sink_logits=None):
-    """:func:`kivi_cache.reference.paged_prefix_attention`, computed without dequantizing the history."""
+    """:func:`kivi_cache.reference.paged_prefix_attention`, computed without building the dequantized history."""
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     checks.check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
                            group_size)

@@ -243,7 +243,7 @@ def write_new_token(res_k, res_v, res_lengths, new_k, new_v) -> None:
     res_v[rows, :, last] = new_v[rows].to(res_v.dtype)
 
 
-def _in_window(index, query_index, window):
+def in_window(index, query_index, window):
     """[B, L, S] bool: stored token ``index`` [B, S] is within ``window`` positions of query ``query_index`` [B, L]
     (visible while ``query - key < window``, transformers' sliding-window rule); everything for ``window=None``."""
     if window is None:
@@ -282,7 +282,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                   res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     newest = (lengths.long() + res_lengths.long() - 1)[:, None]
-    out = _attend(q[:, :, None], k, v, valid[:, None] & _in_window(index, newest, sliding_window), sm_scale,
+    out = _attend(q[:, :, None], k, v, valid[:, None] & in_window(index, newest, sliding_window), sm_scale,
                   sink_logits)
     return out[:, :, 0].to(q.dtype)
 
@@ -312,5 +312,5 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     v = torch.cat([v, new_v.to(v.dtype)], dim=2)
     first = (lengths.long() + res_lengths.long())[:, None]
     queries = first + torch.arange(ql, device=q.device)[None, :]
-    valid = torch.cat([valid[:, None, :] & _in_window(index, queries, sliding_window), new_mask], dim=2)
+    valid = torch.cat([valid[:, None, :] & in_window(index, queries, sliding_window), new_mask], dim=2)
     return _attend(q, k, v, valid, sm_scale, sink_logits).to(q.dtype)

@@ -3,7 +3,8 @@
 Fresh random pools, odd lengths (not multiples of the page or the group), empty sequences and windows, GQA ratios
 1-8, sliding windows, learned sinks, several chunks of pages, and poison (NaN) in every slot that holds no token: the
 pages' slots past a sequence's length and the window's slots past its length. fp32 agrees to summation order; fp16
-and bf16 to the rounding of the dequantized history, which the reference makes and this path does not.
+and bf16 to the rounding of the dequantized history, which the reference makes and this path does not. With
+KIVI_TEST_GPU=1 the same tests run on the CUDA device (the path is the GPU's fallback).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels import make_block_table, make_pool
+from test_kernels import DEV, ON_GPU, make_block_table, make_pool
 
 from kivi_cache import chunked as F
 from kivi_cache import ops
@@ -34,15 +35,15 @@ def case(lengths, res_lengths, hkv=2, grp=3, d=64, p=64, bits=(4, 4, 32), dtype=
     """Decode arguments (the reference's order) with NaN in every slot that holds no token. ``consecutive``: one
     sequence's pages in order from page 2 (the path that reads them as a view)."""
     kb, vb, g = bits
-    lengths_t = torch.tensor(lengths, dtype=torch.int32)
+    lengths_t = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     bt, np_ = make_block_table(lengths, p)
     if consecutive:
-        bt = (torch.arange(bt.shape[1], dtype=torch.int32) + 2)[None]
+        bt = (torch.arange(bt.shape[1], dtype=torch.int32, device=DEV) + 2)[None]
         np_ = bt.shape[1] + 4
     pool = list(make_pool(np_, hkv, p, d, g, kb, vb, dtype))
     c = c or max(1, max(res_lengths))
-    res_k = torch.randn(len(lengths), hkv, c, d).to(dtype)
-    res_v = torch.randn(len(lengths), hkv, c, d).to(dtype)
+    res_k = torch.randn(len(lengths), hkv, c, d, device=DEV).to(dtype)
+    res_v = torch.randn(len(lengths), hkv, c, d, device=DEV).to(dtype)
     if poison:
         used = set()
         for b, n in enumerate(lengths):
@@ -59,8 +60,8 @@ def case(lengths, res_lengths, hkv=2, grp=3, d=64, p=64, bits=(4, 4, 32), dtype=
         for page in set(range(np_)) - used:
             for i in (1, 2, 4, 5):
                 pool[i][page] = float("nan")
-    q = torch.randn(len(lengths), hkv * grp, d).to(dtype)
-    rl = torch.tensor(res_lengths, dtype=torch.int32)
+    q = torch.randn(len(lengths), hkv * grp, d, device=DEV).to(dtype)
+    rl = torch.tensor(res_lengths, dtype=torch.int32, device=DEV)
     return [q, bt, lengths_t, *pool, res_k, res_v, rl, kb, vb, g, 1.0 / math.sqrt(d)]
 
 
@@ -103,7 +104,7 @@ def test_decode_gqa_and_sliding_windows(grp, window):
 def test_decode_sinks_and_head_dims():
     for d in (64, 128, 256):
         args = case([192, 32], [9, 3], d=d, grp=2)
-        check_decode(args, sink_logits=torch.randn(args[0].shape[1]))
+        check_decode(args, sink_logits=torch.randn(args[0].shape[1], device=DEV))
 
 
 def test_decode_writes_the_step_token_like_the_reference():
@@ -111,7 +112,7 @@ def test_decode_writes_the_step_token_like_the_reference():
     steps), indexing otherwise (an empty window takes none)."""
     for rls in ([9, 9], [9, 0]):
         args = case([128, 64], rls, c=12)
-        nk, nv = torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64)
+        nk, nv = torch.randn(2, 2, 1, 64, device=DEV), torch.randn(2, 2, 1, 64, device=DEV)
         ra = [t.clone() if torch.is_tensor(t) else t for t in args]
         ref = R.paged_decode_attention(*ra, new_k=nk, new_v=nv)
         out = F.paged_decode_attention(*args, new_k=nk, new_v=nv)
@@ -132,6 +133,7 @@ def test_several_chunks_of_pages(monkeypatch):
 
 def test_empty_batch_and_no_pages():
     check_decode(case([0, 0], [3, 1]))
+    assert not F.paged_decode_attention(*case([0], [0])).any()  # no key at all: zeros, as the reference gives
     args = case([5], [2])
     args[0], args[1], args[2], args[11] = args[0][:0], args[1][:0], args[2][:0], args[11][:0]
     args[9], args[10] = args[9][:0], args[10][:0]
@@ -144,9 +146,10 @@ def test_empty_batch_and_no_pages():
 def prefix_args(args, ql, padded_row=False):
     bsz, hq, d = args[0].shape
     hkv = args[3].shape[1]
-    q = torch.randn(bsz, hq, ql, d).to(args[0].dtype)
-    nk, nv = torch.randn(bsz, hkv, ql, d).to(q.dtype), torch.randn(bsz, hkv, ql, d).to(q.dtype)
-    mask = torch.tril(torch.ones(ql, ql, dtype=torch.bool)).expand(bsz, ql, ql).clone()
+    q = torch.randn(bsz, hq, ql, d, device=DEV).to(args[0].dtype)
+    nk = torch.randn(bsz, hkv, ql, d, device=DEV).to(q.dtype)
+    nv = torch.randn(bsz, hkv, ql, d, device=DEV).to(q.dtype)
+    mask = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV)).expand(bsz, ql, ql).clone()
     if padded_row:
         mask[0, 0] = False  # a query that sees no new token (and, with no history, nothing)
     return [q, *args[1:12], nk, nv, mask, *args[12:]]
@@ -157,7 +160,7 @@ def prefix_args(args, ql, padded_row=False):
 def test_prefix_matches_the_reference(bits, window):
     for lengths, rls in (([864], [161]), ([96, 0, 416], [5, 0, 33])):
         a = prefix_args(case(lengths, rls, bits=bits, c=40 if len(lengths) > 1 else None), 5, padded_row=True)
-        sinks = torch.randn(a[0].shape[1])
+        sinks = torch.randn(a[0].shape[1], device=DEV)
         ref = R.paged_prefix_attention(*a, sliding_window=window, sink_logits=sinks)
         out = F.paged_prefix_attention(*a, sliding_window=window, sink_logits=sinks)
         assert torch.isfinite(out).all()
@@ -178,6 +181,7 @@ def test_random_shapes(data):
     check_decode(args, sliding_window=window)
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU ops.DecodeRunner holds the kernels' runner")
 def test_runner_checks_once_and_then_runs_fast():
     args = case([300, 200], [6, 6], c=10)
     q, bt, ln, *pool = args[:9]
