@@ -24,7 +24,6 @@ from . import checks
 from .quant import qmax
 from .reference import (  # noqa: F401  (the operations this path shares with the reference)
     append_and_flush,
-    dequantize_pages,
     in_window,
     positions,
     quantize_and_write,
@@ -157,6 +156,65 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
         torch.baddbmm(out.view(bsz * h, m, d), pr.view(bsz * h, m, n * p), v.view(bsz * h, d, n * p).transpose(1, 2),
                       out=out.view(bsz * h, m, d))  # out += pr @ v^T in one op
     return out.reshape(bsz, hq, ql, d)
+
+
+def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                     key_bits: int, value_bits: int, group_size: int, max_len: int | None = None):
+    """:func:`kivi_cache.reference.dequantize_pages` (the history the eager-attention fallback attends to), each of
+    keys and values dequantized in one pass from the codes (``addcmul``) and the values put in token order by one
+    ``index_select``. Same result up to the fp32 rounding of ``code * scale + zero`` (fused here)."""
+    pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    np_, h, p, d = checks.check_pool(pool, key_bits, value_bits, group_size)
+    checks.check_tables(block_table, lengths, np_, p, device=k_codes.device)
+    checks.check_max_len(max_len)
+    bsz, g = block_table.shape[0], group_size
+    lens = lengths.tolist()
+    t = max(lens, default=0) if max_len is None else max_len
+    if bsz == 0 or t == 0:
+        empty = k_scale.new_zeros(bsz, h, t, d)
+        return empty, empty.clone()
+    n = min(-(-t // p), block_table.shape[1])  # max_len may reach past the table: zeros there
+    row = block_table[0, :n].tolist() if bsz == 1 else None
+    if row is not None and row[0] >= 0 and row == list(range(row[0], row[0] + n)):
+
+        def take(x):  # one sequence's consecutive pages: a view
+            return x.narrow(0, row[0], n)
+    else:
+        pages = block_table[:, :n].reshape(-1).long().clamp(min=0)
+
+        def take(x):
+            return x.index_select(0, pages)
+
+    dev = k_codes.device
+    codes = _unpack(take(k_codes).view(bsz, n, h, p, -1).transpose(1, 2), key_bits).view(bsz, h, n, p // g, g, d)
+    k = torch.empty(bsz, h, n, p // g, g, d, device=dev)
+    torch.addcmul(take(k_zero).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), codes,
+                  take(k_scale).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), out=k)
+    perm = _storage_perm(value_bits, p, dev)
+
+    def per_token(x):  # [B, H, D/G, 1, n, P], tokens in the codes' order
+        return take(x).index_select(-1, perm).float().view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
+
+    codes = _unpack(take(v_codes).view(bsz, n, h, d, -1).permute(0, 2, 3, 1, 4), value_bits)
+    v = torch.empty(bsz, h, d // g, g, n, p, device=dev)
+    torch.addcmul(per_token(v_zero), codes.reshape(bsz, h, d // g, g, n, p), per_token(v_scale), out=v)
+    order = (torch.arange(0, n * p, p, device=dev)[:, None] + _inverse(perm)).view(-1)  # token -> position
+    k = k.view(bsz, h, n * p, d).to(k_scale.dtype)
+    v = v.view(bsz, h, d, n * p).transpose(2, 3).index_select(2, order).to(v_scale.dtype)  # [B, H, n P, D]
+    k, v = k[:, :, :t], v[:, :, :t]
+    if k.shape[2] < t:
+        k = torch.nn.functional.pad(k, (0, 0, 0, t - k.shape[2]))
+        v = torch.nn.functional.pad(v, (0, 0, 0, t - v.shape[2]))
+    if min(lens) < t:  # a sequence shorter than t: zeros past its length (its slots there hold anything)
+        valid = (torch.arange(t, device=dev)[None, :] < lengths[:, None].long())[:, None, :, None]
+        k, v = torch.where(valid, k, 0), torch.where(valid, v, 0)
+    return k, v
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(perm)
+    out[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out
 
 
 def _window(res_k, res_v, res_lengths, rls):

@@ -196,3 +196,21 @@ def test_runner_checks_once_and_then_runs_fast():
         run(q[:, :, :32], rl, args[-1])
     with pytest.raises(ValueError, match="sm_scale"):
         run(q, rl, "1/8")
+
+
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: "k{}v{}g{}".format(*b))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_dequantize_pages_matches_the_reference(bits, dtype):
+    """The eager-attention fallback's history: tokens in order, zeros past each length (its slots poisoned) and past
+    the table (max_len), the pool's dtype; equal to the reference's up to the fused fp32 multiply-add's rounding."""
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    for lengths, consecutive in (([864], True), ([864], False), ([96, 0, 416, 256], False)):
+        a = case(lengths, [1] * len(lengths), bits=bits, dtype=dtype, consecutive=consecutive)
+        for max_len in (None, 100, 2000):
+            ref = R.dequantize_pages(*a[1:9], *a[12:15], max_len=max_len)
+            out = F.dequantize_pages(*a[1:9], *a[12:15], max_len=max_len)
+            for o, r in zip(out, ref, strict=True):
+                assert o.shape == r.shape and o.dtype == r.dtype and torch.isfinite(o).all()
+                assert ((o.double() - r.double()).abs().max() / r.double().abs().max()).item() < tol
+    e = case([0], [1], bits=bits, dtype=dtype)
+    assert F.dequantize_pages(*e[1:9], *e[12:15])[0].shape == (1, 2, 0, 64)
