@@ -206,6 +206,28 @@ def check_sink_logits(sink_logits, q) -> None:
     check_device(q.device, sink_logits=sink_logits)
 
 
+def check_decode(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits: int, value_bits: int,
+                 group_size: int, sm_scale, sliding_window, sink_logits, new_k, new_v) -> None:
+    """Every argument of the torch paths' ``paged_decode_attention`` (q ``[B, Hq, D]``)."""
+    check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size)
+    check_sliding_window(sliding_window)
+    check_sm_scale(sm_scale)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
+    check_sink_logits(sink_logits, q)
+    check_new_token(new_k, new_v, q, pool[0])
+
+
+def check_prefix(q, block_table, lengths, pool, res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits: int,
+                 value_bits: int, group_size: int, sm_scale, sliding_window, sink_logits) -> None:
+    """Every argument of the torch paths' ``paged_prefix_attention`` (q ``[B, Hq, L, D]``)."""
+    check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size)
+    check_prefix_chunk(q, new_k, new_v, new_mask)
+    check_sliding_window(sliding_window)
+    check_sm_scale(sm_scale)
+    check_sink_logits(sink_logits, q)
+
+
 def check_new_token(new_k, new_v, q, k_codes) -> None:
     """paged_decode_attention's step token: neither, or both of new_k, new_v ``[B, Hkv, D]`` (or ``[B, Hkv, 1, D]``)
     floats on the pool's device (``k_codes``: ``[NP, Hkv, P, D * bits // 8]``)."""

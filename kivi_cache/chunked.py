@@ -268,14 +268,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                            sliding_window: int | None = None, sink_logits=None):
     """:func:`kivi_cache.reference.paged_decode_attention`, computed without building the dequantized history."""
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    checks.check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
-                           group_size)
-    checks.check_sliding_window(sliding_window)
-    checks.check_sm_scale(sm_scale)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
-    checks.check_sink_logits(sink_logits, q)
-    checks.check_new_token(new_k, new_v, q, k_codes)
+    checks.check_decode(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size,
+                        sm_scale, sliding_window, sink_logits, new_k, new_v)
     return _decode(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size,
                    sm_scale, new_k, new_v, sliding_window, sink_logits)
 
@@ -318,12 +312,8 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                            group_size: int, sm_scale: float, *, sliding_window: int | None = None, sink_logits=None):
     """:func:`kivi_cache.reference.paged_prefix_attention`, computed without building the dequantized history."""
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    checks.check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
-                           group_size)
-    checks.check_prefix_chunk(q, new_k, new_v, new_mask)
-    checks.check_sliding_window(sliding_window)
-    checks.check_sm_scale(sm_scale)
-    checks.check_sink_logits(sink_logits, q)
+    checks.check_prefix(q, block_table, lengths, pool, res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits,
+                        value_bits, group_size, sm_scale, sliding_window, sink_logits)
     lens, rls = lengths.tolist(), res_lengths.tolist()
     rk, rv = _window(res_k, res_v, res_lengths, rls)
     p = k_codes.shape[2]

@@ -269,14 +269,9 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     logit, ``sink_logits[h]``, which weighs no value (``out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink))``).
     Returns ``[B, Hq, D]`` in q's dtype.
     """
-    checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
-                           res_v, res_lengths, key_bits, value_bits, group_size)
-    checks.check_sliding_window(sliding_window)
-    checks.check_sm_scale(sm_scale)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
-    checks.check_sink_logits(sink_logits, q)
-    checks.check_new_token(new_k, new_v, q, k_codes)
+    checks.check_decode(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
+                        res_lengths, key_bits, value_bits, group_size, sm_scale, sliding_window, sink_logits, new_k,
+                        new_v)
     if new_k is not None:
         write_new_token(res_k, res_v, res_lengths, new_k, new_v)
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -299,12 +294,9 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     ``lengths + res_lengths + i``). ``sink_logits``: as in :func:`paged_decode_attention`.
     Returns ``[B, Hq, L, D]`` in q's dtype.
     """
-    checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
-                           res_v, res_lengths, key_bits, value_bits, group_size)
-    checks.check_prefix_chunk(q, new_k, new_v, new_mask)
-    checks.check_sliding_window(sliding_window)
-    checks.check_sm_scale(sm_scale)
-    checks.check_sink_logits(sink_logits, q)
+    checks.check_prefix(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
+                        res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale, sliding_window,
+                        sink_logits)
     k, v, valid, index = _history(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                   res_k, res_v, res_lengths, key_bits, value_bits, group_size)
     ql = q.shape[2]
