@@ -80,6 +80,22 @@ def _stored(lengths, lens, start: int, n: int, p: int, perm) -> torch.Tensor:
 _STORED: dict = {}
 
 
+def _chunk_pages(block_table, a: int, e: int):
+    """Pages ``a .. e - 1`` of every sequence: the first page's id where there is one sequence and its pages are
+    consecutive (read as a view), else the ids ``[B * (e - a)]`` (-1, past a shorter sequence's pages, as page 0:
+    its slots are masked)."""
+    if block_table.shape[0] == 1 and e > a:
+        row = block_table[0, a:e].tolist()
+        if row[0] >= 0 and row == list(range(row[0], row[0] + e - a)):
+            return row[0]
+    return block_table[:, a:e].reshape(-1).clamp(min=0)
+
+
+def _take(x: torch.Tensor, pages, n: int) -> torch.Tensor:
+    """``[B * n, ...]``: those pages of a pool tensor (:func:`_chunk_pages`)."""
+    return x.narrow(0, pages, n) if isinstance(pages, int) else x.index_select(0, pages)
+
+
 def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_scale, other_k, other_v, keep,
             first, lens, sink_logits):
     """q ``[B, Hq, L, D]`` over each sequence's pages from page ``first`` of its block table on, and ``other_k``/
@@ -97,19 +113,11 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     chunks = [(a, min(a + step, npages)) for a in range(first, npages, step)]
     qf = q.float().reshape(bsz, h, m, d) * sm_scale
 
-    def pages_of(a, e):  # the chunk's pages: a first page where one sequence's are consecutive (a view), else ids
-        if bsz == 1:
-            row = block_table[0, a:e].tolist()
-            if row[0] >= 0 and row == list(range(row[0], row[0] + e - a)):
-                return row[0]
-        pages = block_table[:, a:e].reshape(-1)
-        return pages.clamp(min=0) if bsz > 1 else pages  # (-1 past a shorter sequence's pages: its slots are masked)
-
-    def take(x, pages, n):  # [B * n, ...]: the chunk's pages of a pool tensor
-        return x.narrow(0, pages, n) if isinstance(pages, int) else x.index_select(0, pages)
+    def pages_of(a, e):
+        return _chunk_pages(block_table, a, e)
 
     def gather(x, pages, n, *shape):  # [B, H, n, *shape]
-        return take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
+        return _take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
 
     parts = []
     for a, e in chunks:  # keys [B, H, n, P/G, G, D] = code * scale + zero, from the codes in one pass
@@ -140,7 +148,7 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     short = min(lens) < npages * p  # page slots past some sequence's length: their scales and zeros may be anything
 
     def per_token(x, pages, n):  # value scales or zeros of the chunk, tokens in the codes' order: [B, H, D/G, 1, n, P]
-        x = take(x, pages, n).index_select(-1, perm).float()
+        x = _take(x, pages, n).index_select(-1, perm).float()
         return x.view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
 
     for a, e in chunks:  # values [B, H, D, n P], tokens in the codes' order (the probabilities permuted to match)
@@ -149,7 +157,8 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
         if short:
             here = _stored(lengths, lens, a * p, n, p, perm).view(bsz, 1, 1, 1, n, p)
             vs, vz = torch.where(here, vs, 0), torch.where(here, vz, 0)
-        codes = _unpack(take(v_codes, pages, n).view(bsz, n, h, d, -1).permute(0, 2, 3, 1, 4), value_bits)
+        codes = _take(v_codes, pages, n).view(bsz, n, h, d, v_codes.shape[-1]).permute(0, 2, 3, 1, 4)
+        codes = _unpack(codes, value_bits)
         v = torch.empty(bsz, h, d // g, g, n, p, device=q.device)
         torch.addcmul(vz, codes.view(bsz, h, d // g, g, n, p), vs, out=v)
         pr = pp[..., (a - first) * p:(e - first) * p].reshape(bsz, h, m, n, p).index_select(-1, perm)
@@ -174,19 +183,14 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         empty = k_scale.new_zeros(bsz, h, t, d)
         return empty, empty.clone()
     n = min(-(-t // p), block_table.shape[1])  # max_len may reach past the table: zeros there
-    row = block_table[0, :n].tolist() if bsz == 1 else None
-    if row is not None and row[0] >= 0 and row == list(range(row[0], row[0] + n)):
+    pages = _chunk_pages(block_table, 0, n)
 
-        def take(x):  # one sequence's consecutive pages: a view
-            return x.narrow(0, row[0], n)
-    else:
-        pages = block_table[:, :n].reshape(-1).long().clamp(min=0)
-
-        def take(x):
-            return x.index_select(0, pages)
+    def take(x):
+        return _take(x, pages, n)
 
     dev = k_codes.device
-    codes = _unpack(take(k_codes).view(bsz, n, h, p, -1).transpose(1, 2), key_bits).view(bsz, h, n, p // g, g, d)
+    codes = _unpack(take(k_codes).view(bsz, n, h, p, k_codes.shape[-1]).transpose(1, 2), key_bits)
+    codes = codes.view(bsz, h, n, p // g, g, d)
     k = torch.empty(bsz, h, n, p // g, g, d, device=dev)
     torch.addcmul(take(k_zero).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), codes,
                   take(k_scale).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), out=k)
@@ -195,7 +199,7 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     def per_token(x):  # [B, H, D/G, 1, n, P], tokens in the codes' order
         return take(x).index_select(-1, perm).float().view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
 
-    codes = _unpack(take(v_codes).view(bsz, n, h, d, -1).permute(0, 2, 3, 1, 4), value_bits)
+    codes = _unpack(take(v_codes).view(bsz, n, h, d, v_codes.shape[-1]).permute(0, 2, 3, 1, 4), value_bits)
     v = torch.empty(bsz, h, d // g, g, n, p, device=dev)
     torch.addcmul(per_token(v_zero), codes.reshape(bsz, h, d // g, g, n, p), per_token(v_scale), out=v)
     order = (torch.arange(0, n * p, p, device=dev)[:, None] + _inverse(perm)).view(-1)  # token -> position

@@ -214,3 +214,7 @@ def test_dequantize_pages_matches_the_reference(bits, dtype):
                 assert ((o.double() - r.double()).abs().max() / r.double().abs().max()).item() < tol
     e = case([0], [1], bits=bits, dtype=dtype)
     assert F.dequantize_pages(*e[1:9], *e[12:15])[0].shape == (1, 2, 0, 64)
+    e[1] = e[1][:, :0]  # a table with no column, max_len past it: zeros
+    out = F.dequantize_pages(*e[1:9], *e[12:15], max_len=5)
+    assert out[0].shape == R.dequantize_pages(*e[1:9], *e[12:15], max_len=5)[0].shape == (1, 2, 5, 64)
+    assert not out[0].any() and not out[1].any()
