@@ -614,14 +614,21 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _stored_layout(self, length: int):
         """Stored tokens dequantized, right-aligned in a ``[B, H, length, D]`` timeline (pads as zeros)."""
         b, h, d = self.batch_size, self.num_heads, self.head_dim
-        k = torch.zeros(b, h, length, d, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
         if length == 0:
-            return k, v
+            k = torch.zeros(b, h, 0, d, dtype=self.dtype, device=self.device)
+            return k, torch.zeros_like(k)
         cfg = self.cfg
         bt, ql, _ = self._device_state()
         qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits,
                                       group_size=cfg.group_size, max_len=max(self.q_lens))
+        if (b and self.q_lens[0] + self.r_lens[0] == length and _all_equal(self.q_lens) and _all_equal(self.r_lens)
+                and _all_equal(self.sinks) and not any(self.hidden)):
+            # no pads, nothing released: sinks, quantized tokens and the newest in one copy (eager attention's step)
+            r, s = self.r_lens[0], self.sinks[0]
+            return (torch.cat([self.res_k[:, :, :s], qk.to(self.dtype), self.res_k[:, :, s:r]], dim=2),
+                    torch.cat([self.res_v[:, :, :s], qv.to(self.dtype), self.res_v[:, :, s:r]], dim=2))
+        k = torch.zeros(b, h, length, d, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
         for i in range(b):
             q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
             start = length - q - r  # timeline: [pads][sinks][quantized][newest]

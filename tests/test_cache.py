@@ -89,6 +89,22 @@ def test_stored_history_is_fake_quantized_original(kb, vb):
     assert torch.equal(k[:, :, q:], k_ref[:, :, q:]) and torch.equal(v[:, :, q:], v_ref[:, :, q:])
 
 
+def test_stored_layout_in_one_copy_equals_the_per_sequence_copies(monkeypatch):
+    """The history eager attention reads (``_stored_layout``): without pads or released pages one concatenation of
+    sinks, quantized tokens and window (session 33) gives what the per-sequence copies into zeros give."""
+    from kivi_cache import layer as L
+
+    model = tiny_llama(layers=1)
+    cache = QuantizedPagedCache(key_bits=2, value_bits=4, sink_length=4, **SMALL)
+    stepwise_logits(model, torch.randint(0, 128, (2, 70)), cache, 21)
+    layer = cache.layers[0]
+    assert layer.q_lens == [48, 48] and layer.sinks == [4, 4] and layer.r_lens == [22, 22]
+    fast = layer._stored_layout(layer.seen)
+    monkeypatch.setattr(L, "_all_equal", lambda xs: False)  # the general path
+    slow = layer._stored_layout(layer.seen)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+
+
 def test_residual_window_invariant_over_many_steps():
     model = tiny_llama(layers=1)
     cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
