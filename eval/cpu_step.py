@@ -12,10 +12,12 @@ caches over ``--rounds`` rounds (the first timed configuration of a process runs
 * ``kivi_int4_reference``: ``Int4PagedCache`` with ``set_backend("torch")``: the reference, which dequantizes the
   whole history every step (what the CPU path was before session 33).
 
-Reports each cache's median step (ms) per round and overall, with machine, versions and threads; JSON with
-``--out``.
+``--attn eager`` loads the model with transformers' eager attention (the default of Gemma 2 and GPT-OSS), which our
+cache serves through the dequantized history instead of the pages. Reports each cache's median step (ms) per round
+and overall, with machine, versions and threads; JSON with ``--out``.
 
-    python eval/cpu_step.py [--prompts 1024,4096] [--steps 16] [--rounds 2] [--caches ...] [--out F.json]
+    python eval/cpu_step.py [--prompts 1024,4096] [--steps 16] [--rounds 2] [--caches ...] [--attn sdpa|eager]
+                            [--out F.json]
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main(argv=None, loaded=None) -> dict:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--caches", default=",".join(CACHES), help=f"comma-separated, of {CACHES}")
+    ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="the model's attention implementation")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     names = args.caches.split(",")
@@ -93,6 +96,8 @@ def main(argv=None, loaded=None) -> dict:
     else:
         quanto = None
     model, tok = loaded or models.load_smollm2()
+    if model.config._attn_implementation != args.attn:
+        model.set_attn_implementation(args.attn)
     text = tok(models.sample_text(), return_tensors="pt").input_ids
     rows = {}
     for n in (int(x) for x in args.prompts.split(",")):
@@ -110,7 +115,7 @@ def main(argv=None, loaded=None) -> dict:
     res = dict(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
                quanto=quanto, skipped=skipped, model="SmolLM2-135M-Instruct (Q4_1 GGUF, loaded as fp32)",
-               steps=args.steps, rounds=args.rounds, prompts=rows)
+               attn=args.attn, steps=args.steps, rounds=args.rounds, prompts=rows)
     print(f"{'prompt':>7} " + " ".join(f"{name:>20}" for name in names))
     for n, row in rows.items():
         print(f"{n:>7} " + " ".join(f"{row['median_ms'][name]:>11.1f} ms" + (

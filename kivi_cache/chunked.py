@@ -46,16 +46,17 @@ def _unpack(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([x & m] + [(x >> (k * bits)) & m for k in range(1, n - 1)] + [x >> (8 - bits)], dim=-1)
 
 
-def _storage_perm(bits: int, p: int, device) -> torch.Tensor:
-    """``[P]`` long: the page token at each position of :func:`_unpack`'s order of a value row."""
-    key = (bits, p, device)
+def _storage_perm(bits: int, p: int, device, inverse: bool = False) -> torch.Tensor:
+    """``[P]`` long: the page token at each position of :func:`_unpack`'s order of a value row (``inverse``: the
+    position of each token)."""
+    key = (bits, p, device, inverse)
     perm = _PERMS.get(key)
     if perm is None:
         n = 8 // bits
         w, k, q, h = torch.meshgrid(torch.arange(p // (4 * n)), torch.arange(n), torch.arange(2), torch.arange(2),
                                     indexing="ij")
-        token = (4 * n * w + 4 * k + 2 * q + h).permute(1, 0, 3, 2)  # (k, w, h, q): the unpacked order
-        perm = _PERMS[key] = token.reshape(-1).to(device)
+        token = (4 * n * w + 4 * k + 2 * q + h).permute(1, 0, 3, 2).reshape(-1)  # (k, w, h, q): the unpacked order
+        perm = _PERMS[key] = (token.argsort() if inverse else token).to(device)
     return perm
 
 
@@ -194,17 +195,17 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     k = torch.empty(bsz, h, n, p // g, g, d, device=dev)
     torch.addcmul(take(k_zero).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), codes,
                   take(k_scale).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), out=k)
-    perm = _storage_perm(value_bits, p, dev)
+    # values: the codes (uint8) to token order with one gather, then one addcmul into [B, H, n P, D]
+    codes = _unpack(take(v_codes).view(bsz, n, h, d, v_codes.shape[-1]).transpose(1, 2), value_bits)  # [B, H, n, D, P]
+    codes = codes.transpose(3, 4).index_select(3, _storage_perm(value_bits, p, dev, inverse=True))  # [B, H, n, P, D]
 
-    def per_token(x):  # [B, H, D/G, 1, n, P], tokens in the codes' order
-        return take(x).index_select(-1, perm).float().view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
+    def per_token(x):  # [B, H, n P, D/G, 1]
+        return take(x).view(bsz, n, h, d // g, p).permute(0, 2, 1, 4, 3).reshape(bsz, h, n * p, d // g, 1).float()
 
-    codes = _unpack(take(v_codes).view(bsz, n, h, d, v_codes.shape[-1]).permute(0, 2, 3, 1, 4), value_bits)
-    v = torch.empty(bsz, h, d // g, g, n, p, device=dev)
-    torch.addcmul(per_token(v_zero), codes.reshape(bsz, h, d // g, g, n, p), per_token(v_scale), out=v)
-    order = (torch.arange(0, n * p, p, device=dev)[:, None] + _inverse(perm)).view(-1)  # token -> position
+    v = torch.empty(bsz, h, n * p, d // g, g, device=dev)
+    torch.addcmul(per_token(v_zero), codes.reshape(bsz, h, n * p, d // g, g), per_token(v_scale), out=v)
     k = k.view(bsz, h, n * p, d).to(k_scale.dtype)
-    v = v.view(bsz, h, d, n * p).transpose(2, 3).index_select(2, order).to(v_scale.dtype)  # [B, H, n P, D]
+    v = v.view(bsz, h, n * p, d).to(v_scale.dtype)
     k, v = k[:, :, :t], v[:, :, :t]
     if k.shape[2] < t:
         k = torch.nn.functional.pad(k, (0, 0, 0, t - k.shape[2]))
@@ -213,12 +214,6 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         valid = (torch.arange(t, device=dev)[None, :] < lengths[:, None].long())[:, None, :, None]
         k, v = torch.where(valid, k, 0), torch.where(valid, v, 0)
     return k, v
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(perm)
-    out[perm] = torch.arange(perm.numel(), device=perm.device)
-    return out
 
 
 def _window(res_k, res_v, res_lengths, rls):
