@@ -97,6 +97,21 @@ def _take(x: torch.Tensor, pages, n: int) -> torch.Tensor:
     return x.narrow(0, pages, n) if isinstance(pages, int) else x.index_select(0, pages)
 
 
+def _keys(k_codes, k_scale, k_zero, pages, bsz: int, n: int, bits: int, g: int) -> torch.Tensor:
+    """fp32 keys ``[B, H, n P, D]`` of ``n`` pages a sequence (:func:`_chunk_pages`), ``code * scale + zero`` in one
+    pass from the unpacked bytes (the uint8 codes promote inside the ``addcmul``)."""
+    _, h, p, row = k_codes.shape
+    d = k_scale.shape[-1]
+
+    def gather(x, *shape):  # [B, H, n, *shape]
+        return _take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
+
+    codes = _unpack(gather(k_codes, p, row), bits).view(bsz, h, n, p // g, g, d)
+    k = torch.empty(bsz, h, n, p // g, g, d, device=k_codes.device)  # (addcmul's own output follows the zeros' strides)
+    torch.addcmul(gather(k_zero, p // g, 1, d).float(), codes, gather(k_scale, p // g, 1, d).float(), out=k)
+    return k.view(bsz, h, n * p, d)
+
+
 def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_scale, other_k, other_v, keep,
             first, lens, sink_logits):
     """q ``[B, Hq, L, D]`` over each sequence's pages from page ``first`` of its block table on, and ``other_k``/
@@ -114,20 +129,10 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     chunks = [(a, min(a + step, npages)) for a in range(first, npages, step)]
     qf = q.float().reshape(bsz, h, m, d) * sm_scale
 
-    def pages_of(a, e):
-        return _chunk_pages(block_table, a, e)
-
-    def gather(x, pages, n, *shape):  # [B, H, n, *shape]
-        return _take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
-
     parts = []
-    for a, e in chunks:  # keys [B, H, n, P/G, G, D] = code * scale + zero, from the codes in one pass
-        n, pages = e - a, pages_of(a, e)
-        codes = _unpack(gather(k_codes, pages, n, p, k_codes.shape[-1]), key_bits).view(bsz, h, n, p // g, g, d)
-        k = torch.empty(bsz, h, n, p // g, g, d, device=q.device)  # (addcmul's own output follows the zeros' strides)
-        zero, scale = gather(k_zero, pages, n, p // g, 1, d).float(), gather(k_scale, pages, n, p // g, 1, d).float()
-        torch.addcmul(zero, codes, scale, out=k)
-        parts.append(qf @ k.view(bsz, h, n * p, d).transpose(-1, -2))
+    for a, e in chunks:
+        k = _keys(k_codes, k_scale, k_zero, _chunk_pages(block_table, a, e), bsz, e - a, key_bits, group_size)
+        parts.append(qf @ k.transpose(-1, -2))
     if keep is None and parts:  # the page slots past the longest sequence: not keys (one length: none left over)
         parts[-1] = parts[-1][..., :parts[-1].shape[-1] - (npages * p - top)]
     parts.append(qf @ other_k.float().transpose(-1, -2))
@@ -153,7 +158,7 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
         return x.view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
 
     for a, e in chunks:  # values [B, H, D, n P], tokens in the codes' order (the probabilities permuted to match)
-        n, pages = e - a, pages_of(a, e)
+        n, pages = e - a, _chunk_pages(block_table, a, e)
         vs, vz = per_token(v_scale, pages, n), per_token(v_zero, pages, n)
         if short:
             here = _stored(lengths, lens, a * p, n, p, perm).view(bsz, 1, 1, 1, n, p)
@@ -185,26 +190,20 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         return empty, empty.clone()
     n = min(-(-t // p), block_table.shape[1])  # max_len may reach past the table: zeros there
     pages = _chunk_pages(block_table, 0, n)
-
-    def take(x):
-        return _take(x, pages, n)
-
     dev = k_codes.device
-    codes = _unpack(take(k_codes).view(bsz, n, h, p, k_codes.shape[-1]).transpose(1, 2), key_bits)
-    codes = codes.view(bsz, h, n, p // g, g, d)
-    k = torch.empty(bsz, h, n, p // g, g, d, device=dev)
-    torch.addcmul(take(k_zero).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), codes,
-                  take(k_scale).view(bsz, n, h, p // g, 1, d).transpose(1, 2).float(), out=k)
+    k = _keys(k_codes, k_scale, k_zero, pages, bsz, n, key_bits, group_size)
     # values: the codes (uint8) to token order with one gather, then one addcmul into [B, H, n P, D]
-    codes = _unpack(take(v_codes).view(bsz, n, h, d, v_codes.shape[-1]).transpose(1, 2), value_bits)  # [B, H, n, D, P]
+    codes = _take(v_codes, pages, n).view(bsz, n, h, d, v_codes.shape[-1]).transpose(1, 2)
+    codes = _unpack(codes, value_bits)  # [B, H, n, D, P]
     codes = codes.transpose(3, 4).index_select(3, _storage_perm(value_bits, p, dev, inverse=True))  # [B, H, n, P, D]
 
     def per_token(x):  # [B, H, n P, D/G, 1]
-        return take(x).view(bsz, n, h, d // g, p).permute(0, 2, 1, 4, 3).reshape(bsz, h, n * p, d // g, 1).float()
+        x = _take(x, pages, n).view(bsz, n, h, d // g, p).permute(0, 2, 1, 4, 3)
+        return x.reshape(bsz, h, n * p, d // g, 1).float()
 
     v = torch.empty(bsz, h, n * p, d // g, g, device=dev)
     torch.addcmul(per_token(v_zero), codes.reshape(bsz, h, n * p, d // g, g), per_token(v_scale), out=v)
-    k = k.view(bsz, h, n * p, d).to(k_scale.dtype)
+    k = k.to(k_scale.dtype)
     v = v.view(bsz, h, n * p, d).to(v_scale.dtype)
     k, v = k[:, :, :t], v[:, :, :t]
     if k.shape[2] < t:
