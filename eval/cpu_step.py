@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -68,6 +69,16 @@ def steps_ms(model, ids, name: str, steps: int) -> list[float]:
         return times
     finally:
         kivi_cache.set_backend("auto")
+
+
+def commit() -> str | None:
+    """The checkout's commit (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def main(argv=None, loaded=None) -> dict:
@@ -115,7 +126,7 @@ def main(argv=None, loaded=None) -> dict:
     res = dict(machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
                quanto=quanto, skipped=skipped, model="SmolLM2-135M-Instruct (Q4_1 GGUF, loaded as fp32)",
-               attn=args.attn, steps=args.steps, rounds=args.rounds, prompts=rows)
+               attn=args.attn, commit=commit(), steps=args.steps, rounds=args.rounds, prompts=rows)
     print(f"{'prompt':>7} " + " ".join(f"{name:>20}" for name in names))
     for n, row in rows.items():
         print(f"{n:>7} " + " ".join(f"{row['median_ms'][name]:>11.1f} ms" + (
