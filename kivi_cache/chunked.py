@@ -127,11 +127,12 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     npages = -(-top // p)
     step = max(1, CHUNK_CODES // max(1, bsz * h * p * d))
     chunks = [(a, min(a + step, npages)) for a in range(first, npages, step)]
+    pages = [_chunk_pages(block_table, a, e) for a, e in chunks]  # read by the keys' pass and the values'
     qf = q.float().reshape(bsz, h, m, d) * sm_scale
 
     parts = []
-    for a, e in chunks:
-        k = _keys(k_codes, k_scale, k_zero, _chunk_pages(block_table, a, e), bsz, e - a, key_bits, group_size)
+    for (a, e), ids in zip(chunks, pages, strict=True):
+        k = _keys(k_codes, k_scale, k_zero, ids, bsz, e - a, key_bits, group_size)
         parts.append(qf @ k.transpose(-1, -2))
     if keep is None and parts:  # the page slots past the longest sequence: not keys (one length: none left over)
         parts[-1] = parts[-1][..., :parts[-1].shape[-1] - (npages * p - top)]
@@ -153,17 +154,17 @@ def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_
     perm = _storage_perm(value_bits, p, q.device)
     short = min(lens) < npages * p  # page slots past some sequence's length: their scales and zeros may be anything
 
-    def per_token(x, pages, n):  # value scales or zeros of the chunk, tokens in the codes' order: [B, H, D/G, 1, n, P]
-        x = _take(x, pages, n).index_select(-1, perm).float()
+    def per_token(x, ids, n):  # value scales or zeros of the chunk, tokens in the codes' order: [B, H, D/G, 1, n, P]
+        x = _take(x, ids, n).index_select(-1, perm).float()
         return x.view(bsz, n, h, d // g, 1, p).permute(0, 2, 3, 4, 1, 5)
 
-    for a, e in chunks:  # values [B, H, D, n P], tokens in the codes' order (the probabilities permuted to match)
-        n, pages = e - a, _chunk_pages(block_table, a, e)
-        vs, vz = per_token(v_scale, pages, n), per_token(v_zero, pages, n)
+    for (a, e), ids in zip(chunks, pages, strict=True):  # values [B, H, D, n P], tokens in the codes' order
+        n = e - a  # (the probabilities permuted to match)
+        vs, vz = per_token(v_scale, ids, n), per_token(v_zero, ids, n)
         if short:
             here = _stored(lengths, lens, a * p, n, p, perm).view(bsz, 1, 1, 1, n, p)
             vs, vz = torch.where(here, vs, 0), torch.where(here, vz, 0)
-        codes = _take(v_codes, pages, n).view(bsz, n, h, d, v_codes.shape[-1]).permute(0, 2, 3, 1, 4)
+        codes = _take(v_codes, ids, n).view(bsz, n, h, d, v_codes.shape[-1]).permute(0, 2, 3, 1, 4)
         codes = _unpack(codes, value_bits)
         v = torch.empty(bsz, h, d // g, g, n, p, device=q.device)
         torch.addcmul(vz, codes.view(bsz, h, d // g, g, n, p), vs, out=v)
