@@ -125,14 +125,7 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         k_out = torch.empty(b, h, t, d, dtype=k_scale.dtype, device=k_scale.device)
         v_out = torch.empty(b, h, t, d, dtype=v_scale.dtype, device=v_scale.device)
     else:
-        k_out, v_out = out
-        if tuple(k_out.shape) != (b, h, t, d) or tuple(v_out.shape) != (b, h, t, d):
-            raise ValueError(f"out tensors must be [B, H, T, D] = {(b, h, t, d)}")
-        if k_out.stride(-1) != 1 or v_out.stride(-1) != 1 or k_out.stride() != v_out.stride():
-            raise ValueError("out tensors must share strides and have a contiguous last dimension")
-        if any(o.dtype not in chk.FLOATS or o.device != k_codes.device for o in (k_out, v_out)):
-            raise ValueError(f"out tensors must be floating ({chk.FLOATS}) on the pool's device {k_codes.device}, "
-                             f"got {k_out.dtype} on {k_out.device} and {v_out.dtype} on {v_out.device}")
+        k_out, v_out = chk.check_dequant_out(out, (b, h, t, d), k_codes.device)
     if b == 0 or t == 0 or h == 0:
         return k_out, v_out
     blk = block_tokens(p, group_size, 256 if interpreting() else 32)

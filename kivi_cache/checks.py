@@ -147,6 +147,23 @@ def check_max_len(max_len) -> None:
         raise ValueError(f"max_len must be None or an int >= 0 (the output's tokens per sequence), got {max_len!r}")
 
 
+def check_dequant_out(out, shape: tuple, device) -> tuple:
+    """dequantize_pages' ``out``: a pair ``(k, v)`` of floating tensors of ``shape`` ``[B, H, T, D]`` on ``device``,
+    last dimension contiguous and the same strides (views of a larger buffer allowed). Returns the pair."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
+        raise ValueError(f"out must be a pair (k, v) of tensors, got {type(out).__name__}")
+    k_out, v_out = out
+    if tuple(k_out.shape) != tuple(shape) or tuple(v_out.shape) != tuple(shape):
+        raise ValueError(f"out tensors must be [B, H, T, D] = {tuple(shape)}, got {list(k_out.shape)} and "
+                         f"{list(v_out.shape)}")
+    if k_out.stride(-1) != 1 or v_out.stride(-1) != 1 or k_out.stride() != v_out.stride():
+        raise ValueError("out tensors must share strides and have a contiguous last dimension")
+    if any(o.dtype not in FLOATS or o.device != device for o in (k_out, v_out)):
+        raise ValueError(f"out tensors must be floating ({FLOATS}) on the pool's device {device}, got {k_out.dtype} "
+                         f"on {k_out.device} and {v_out.dtype} on {v_out.device}")
+    return k_out, v_out
+
+
 def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bool = True, device=None) -> None:
     """res_k, res_v ``[B, H, C, D]`` floats; res_lengths ``[B]`` integers in ``[0, C]`` (by value, as in
     :func:`check_tables`); all on ``device`` where given."""

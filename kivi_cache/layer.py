@@ -566,9 +566,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         if n == 1:
             self.commit(step, valid)
             return self._stored_layout(self.seen)
-        k0, v0 = self._stored_layout(self.seen - n)
-        k = torch.cat([k0, step.key], dim=2)
-        v = torch.cat([v0, step.value], dim=2)
+        k, v = self._stored_layout(self.seen - n, tail=(step.key, step.value))
         self.commit(step, valid)
         return k, v
 
@@ -611,22 +609,35 @@ class QuantizedPagedLayer(CacheLayerMixin):
         stored = self._stored_layout(self.seen - step.key.shape[2])[which]
         return torch.cat([stored, (step.key, step.value)[which]], dim=2)
 
-    def _stored_layout(self, length: int):
-        """Stored tokens dequantized, right-aligned in a ``[B, H, length, D]`` timeline (pads as zeros)."""
+    def _stored_layout(self, length: int, tail=None):
+        """Stored tokens dequantized, right-aligned in a ``[B, H, length, D]`` timeline (pads as zeros); ``tail``:
+        keys and values ``[B, H, n, D]`` appended (-> ``[B, H, length + n, D]``)."""
         b, h, d = self.batch_size, self.num_heads, self.head_dim
         if length == 0:
             k = torch.zeros(b, h, 0, d, dtype=self.dtype, device=self.device)
-            return k, torch.zeros_like(k)
+            if tail is None:
+                return k, torch.zeros_like(k)
+            return torch.cat([k, tail[0]], dim=2), torch.cat([k, tail[1]], dim=2)
         cfg = self.cfg
         bt, ql, _ = self._device_state()
-        qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits,
-                                      group_size=cfg.group_size, max_len=max(self.q_lens))
+        bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         if (b and self.q_lens[0] + self.r_lens[0] == length and _all_equal(self.q_lens) and _all_equal(self.r_lens)
                 and _all_equal(self.sinks) and not any(self.hidden)):
-            # no pads, nothing released: sinks, quantized tokens and the newest in one copy (eager attention's step)
-            r, s = self.r_lens[0], self.sinks[0]
-            return (torch.cat([self.res_k[:, :, :s], qk.to(self.dtype), self.res_k[:, :, s:r]], dim=2),
-                    torch.cat([self.res_v[:, :, :s], qv.to(self.dtype), self.res_v[:, :, s:r]], dim=2))
+            # no pads, nothing released (eager attention's step): sinks, quantized tokens and the newest written
+            # straight into one buffer
+            q, r, s = self.q_lens[0], self.r_lens[0], self.sinks[0]
+            k = torch.empty(b, h, length + (0 if tail is None else tail[0].shape[2]), d, dtype=self.dtype,
+                            device=self.device)
+            v = torch.empty_like(k)
+            for i, (out, res) in enumerate(((k, self.res_k), (v, self.res_v))):
+                out[:, :, :s] = res[:, :, :s]
+                out[:, :, s + q:length] = res[:, :, s:r]
+                if tail is not None:
+                    out[:, :, length:] = tail[i]
+            ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=q,
+                                 out=(k[:, :, s:s + q], v[:, :, s:s + q]))
+            return k, v
+        qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=max(self.q_lens))
         k = torch.zeros(b, h, length, d, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         for i in range(b):
@@ -639,6 +650,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
             v[i, :, start + s + z:start + s + q] = qv[i, :, z:q]
             k[i, :, start + s + q:length] = self.res_k[i, :, s:r]
             v[i, :, start + s + q:length] = self.res_v[i, :, s:r]
+        if tail is not None:
+            return torch.cat([k, tail[0]], dim=2), torch.cat([v, tail[1]], dim=2)
         return k, v
 
     # ------------------------------------------------- sizes, as transformers asks

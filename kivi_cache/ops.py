@@ -117,9 +117,11 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
           block_table, *pool, key_bits, value_bits, group_size, residual_length, sink_length)
 
 
-def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None):
+def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None, out=None):
+    """``out=(k, v)``: ``[B, H, max_len, D]`` tensors (views allowed) written in place and returned."""
+    extra = {} if out is None else dict(out=out)
     return _call("dequantize_pages", block_table.device, block_table, lengths, *pool, key_bits, value_bits,
-                 group_size, max_len=max_len)
+                 group_size, max_len=max_len, **extra)
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,

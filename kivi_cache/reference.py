@@ -119,20 +119,25 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
 
 
 def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                     key_bits: int, value_bits: int, group_size: int, max_len: int | None = None):
+                     key_bits: int, value_bits: int, group_size: int, max_len: int | None = None, *, out=None):
     """Dequantize each sequence's quantized tokens.
 
     Returns k, v ``[B, H, T, D]`` in the scale dtype, T = max_len (default:
-    ``max(lengths)``); positions at or past a sequence's length are zero.
+    ``max(lengths)``); positions at or past a sequence's length are zero. ``out=(k, v)``: ``[B, H, T, D]`` floating
+    tensors on the pool's device (last dimension contiguous, the same strides; views of a larger buffer allowed)
+    to write into (converted to their dtype) and return.
     """
-    np_, _, p, _ = checks.check_pool((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits,
+    np_, h, p, d = checks.check_pool((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits,
                                      group_size)
     checks.check_tables(block_table, lengths, np_, p, device=k_codes.device)
     checks.check_max_len(max_len)
     b = block_table.shape[0]
-    _, h, p, _ = k_codes.shape
-    d = k_scale.shape[-1]
     t = (int(lengths.max()) if b else 0) if max_len is None else max_len
+    if out is not None:
+        k_out, v_out = checks.check_dequant_out(out, (b, h, t, d), k_codes.device)
+        k, v = dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, key_bits,
+                                value_bits, group_size, t)
+        return k_out.copy_(k), v_out.copy_(v)
     if b == 0 or t == 0:
         empty = k_scale.new_zeros(b, h, t, d)
         return empty, empty.clone()

@@ -99,10 +99,14 @@ def test_stored_layout_in_one_copy_equals_the_per_sequence_copies(monkeypatch):
     stepwise_logits(model, torch.randint(0, 128, (2, 70)), cache, 21)
     layer = cache.layers[0]
     assert layer.q_lens == [48, 48] and layer.sinks == [4, 4] and layer.r_lens == [22, 22]
+    tail = (torch.randn(2, layer.num_heads, 3, layer.head_dim), torch.randn(2, layer.num_heads, 3, layer.head_dim))
     fast = layer._stored_layout(layer.seen)
+    fast_tail = layer._stored_layout(layer.seen, tail=tail)  # a chunk's tokens appended (session 34: one buffer)
     monkeypatch.setattr(L, "_all_equal", lambda xs: False)  # the general path
     slow = layer._stored_layout(layer.seen)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+    assert all(torch.equal(a, torch.cat([b, t], dim=2)) for a, b, t in zip(fast_tail, slow, tail, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fast_tail, layer._stored_layout(layer.seen, tail=tail), strict=True))
 
 
 def test_residual_window_invariant_over_many_steps():

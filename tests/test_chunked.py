@@ -212,6 +212,18 @@ def test_dequantize_pages_matches_the_reference(bits, dtype):
             for o, r in zip(out, ref, strict=True):
                 assert o.shape == r.shape and o.dtype == r.dtype and torch.isfinite(o).all()
                 assert ((o.double() - r.double()).abs().max() / r.double().abs().max()).item() < tol
+            t = ref[0].shape[2]  # out=: views of a larger NaN buffer, written in place (both paths)
+            for mod in (F, R):
+                buf = torch.full((2, len(lengths), 2, t + 3, 64), float("nan"), dtype=torch.float32)
+                got = mod.dequantize_pages(*a[1:9], *a[12:15], max_len=max_len, out=(buf[0, :, :, 1:t + 1],
+                                                                                      buf[1, :, :, 1:t + 1]))
+                assert got[0].data_ptr() == buf[0, :, :, 1:].data_ptr() and torch.isnan(buf[:, :, :, 0]).all()
+                assert torch.isnan(buf[:, :, :, t + 1:]).all()
+                for o, r in zip(got, ref, strict=True):
+                    assert torch.isfinite(o).all()
+                    assert ((o.double() - r.double()).abs().max() / r.double().abs().max()).item() < tol
+            with pytest.raises(ValueError, match="out tensors must be"):
+                F.dequantize_pages(*a[1:9], *a[12:15], max_len=max_len, out=(buf[0, :, :, :t + 1], buf[1, :, :, 1:]))
     e = case([0], [1], bits=bits, dtype=dtype)
     assert F.dequantize_pages(*e[1:9], *e[12:15])[0].shape == (1, 2, 0, 64)
     e[1] = e[1][:, :0]  # a table with no column, max_len past it: zeros
