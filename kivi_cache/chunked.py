@@ -64,17 +64,16 @@ def _token_major(x: torch.Tensor, bits: int) -> torch.Tensor:
     return out.flatten(-5, -2)
 
 
-def _storage_perm(bits: int, p: int, device, inverse: bool = False) -> torch.Tensor:
-    """``[P]`` long: the page token at each position of :func:`_unpack`'s order of a value row (``inverse``: the
-    position of each token)."""
-    key = (bits, p, device, inverse)
+def _storage_perm(bits: int, p: int, device) -> torch.Tensor:
+    """``[P]`` long: the page token at each position of :func:`_unpack`'s order of a value row."""
+    key = (bits, p, device)
     perm = _PERMS.get(key)
     if perm is None:
         n = 8 // bits
         w, k, q, h = torch.meshgrid(torch.arange(p // (4 * n)), torch.arange(n), torch.arange(2), torch.arange(2),
                                     indexing="ij")
         token = (4 * n * w + 4 * k + 2 * q + h).permute(1, 0, 3, 2).reshape(-1)  # (k, w, h, q): the unpacked order
-        perm = _PERMS[key] = (token.argsort() if inverse else token).to(device)
+        perm = _PERMS[key] = token.to(device)
     return perm
 
 
