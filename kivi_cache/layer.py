@@ -606,8 +606,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         step = self.pending
         if step is None:
             return self._stored_layout(self.seen)[which]
-        stored = self._stored_layout(self.seen - step.key.shape[2])[which]
-        return torch.cat([stored, (step.key, step.value)[which]], dim=2)
+        return self._stored_layout(self.seen - step.key.shape[2], tail=(step.key, step.value))[which]
 
     def _stored_layout(self, length: int, tail=None):
         """Stored tokens dequantized, right-aligned in a ``[B, H, length, D]`` timeline (pads as zeros); ``tail``:
