@@ -114,19 +114,37 @@ def _take(x: torch.Tensor, pages, n: int) -> torch.Tensor:
     return x.narrow(0, pages, n) if isinstance(pages, int) else x.index_select(0, pages)
 
 
-def _keys(k_codes, k_scale, k_zero, pages, bsz: int, n: int, bits: int, g: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, pages, bsz: int, n: int, h: int, *shape) -> torch.Tensor:
+    """``[B, H, n, *shape]``: :func:`_take`'s pages of a pool tensor, viewed per sequence and head."""
+    return _take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
+
+
+def _keys(k_codes, k_scale, k_zero, pages, bsz: int, n: int, bits: int, g: int, out=None) -> torch.Tensor:
     """fp32 keys ``[B, H, n P, D]`` of ``n`` pages a sequence (:func:`_chunk_pages`), ``code * scale + zero`` in one
-    pass from the unpacked bytes (the uint8 codes promote inside the ``addcmul``)."""
+    pass from the unpacked bytes (the uint8 codes promote inside the ``addcmul``). ``out`` ``[B, H, t, D]`` (``t <= n
+    P``; any float dtype, views allowed): the first ``t`` tokens written there instead (rounded once), and returned."""
     _, h, p, row = k_codes.shape
     d = k_scale.shape[-1]
 
     def gather(x, *shape):  # [B, H, n, *shape]
-        return _take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
+        return _gather(x, pages, bsz, n, h, *shape)
 
-    codes = _unpack(gather(k_codes, p, row), bits).view(bsz, h, n, p // g, g, d)
-    k = torch.empty(bsz, h, n, p // g, g, d, device=k_codes.device)  # (addcmul's own output follows the zeros' strides)
-    torch.addcmul(gather(k_zero, p // g, 1, d).float(), codes, gather(k_scale, p // g, 1, d).float(), out=k)
-    return k.view(bsz, h, n * p, d)
+    codes = _unpack(gather(k_codes, p, row), bits)
+    if out is None:
+        k = torch.empty(bsz, h, n, p // g, g, d, device=k_codes.device)  # (addcmul's output follows the zeros' strides)
+        torch.addcmul(gather(k_zero, p // g, 1, d).float(), codes.view(bsz, h, n, p // g, g, d),
+                      gather(k_scale, p // g, 1, d).float(), out=k)
+        return k.view(bsz, h, n * p, d)
+    t = out.shape[2]
+    ng = -(-t // g)  # key groups holding the t tokens
+    codes = codes.reshape(bsz, h, n * p // g, g, d)[:, :, :ng]
+    ks, kz = (gather(x, p // g, 1, d).reshape(bsz, h, n * p // g, 1, d)[:, :, :ng].float() for x in (k_scale, k_zero))
+    if t == ng * g:
+        torch.addcmul(kz, codes, ks, out=out.unflatten(2, (ng, g)))
+    else:  # a partial key group: through a buffer
+        k = torch.empty(bsz, h, ng, g, d, device=out.device)
+        out.copy_(torch.addcmul(kz, codes, ks, out=k).view(bsz, h, ng * g, d)[:, :, :t])
+    return out
 
 
 def _attend(q, block_table, lengths, pool, key_bits, value_bits, group_size, sm_scale, other_k, other_v, keep,
@@ -196,20 +214,13 @@ def _dequantize_into(pool, pages, bsz: int, n: int, key_bits: int, value_bits: i
     ``n`` pages a sequence (:func:`_chunk_pages`) dequantized into ``k_out``/``v_out``: keys and values each in one
     ``addcmul`` from the uint8 codes (fp32 arithmetic, rounded once to the output's dtype)."""
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = pool
-    _, h, p, row = k_codes.shape
-    d, t = k_scale.shape[-1], k_out.shape[2]
-    ng = -(-t // g)  # key groups holding the t tokens
+    _, h, p, _ = k_codes.shape
+    d, t = k_scale.shape[-1], v_out.shape[2]
+    _keys(k_codes, k_scale, k_zero, pages, bsz, n, key_bits, g, out=k_out)
 
     def gather(x, *shape):  # [B, H, n, *shape]
-        return _take(x, pages, n).view(bsz, n, h, *shape).transpose(1, 2)
+        return _gather(x, pages, bsz, n, h, *shape)
 
-    codes = _unpack(gather(k_codes, p, row), key_bits).reshape(bsz, h, n * p // g, g, d)[:, :, :ng]
-    ks, kz = (gather(x, p // g, 1, d).reshape(bsz, h, n * p // g, 1, d)[:, :, :ng].float() for x in (k_scale, k_zero))
-    if t == ng * g:
-        torch.addcmul(kz, codes, ks, out=k_out.unflatten(2, (ng, g)))
-    else:  # a partial key group: through a buffer
-        k = torch.empty(bsz, h, ng, g, d, device=k_out.device)
-        k_out.copy_(torch.addcmul(kz, codes, ks, out=k).view(bsz, h, ng * g, d)[:, :, :t])
     # values: the codes in token order (uint8 [B, H, n P, D]), then one addcmul
     codes = _token_major(gather(v_codes, d, v_codes.shape[-1]), value_bits).view(bsz, h, n * p, d // g, g)[:, :, :t]
     vs, vz = (gather(x, d // g, p).transpose(-1, -2).reshape(bsz, h, n * p, d // g, 1)[:, :, :t].float()

@@ -214,7 +214,7 @@ def test_dequantize_pages_matches_the_reference(bits, dtype):
                 assert ((o.double() - r.double()).abs().max() / r.double().abs().max()).item() < tol
             t = ref[0].shape[2]  # out=: views of a larger NaN buffer, written in place (both paths)
             for mod in (F, R):
-                buf = torch.full((2, len(lengths), 2, t + 3, 64), float("nan"), dtype=torch.float32)
+                buf = torch.full((2, len(lengths), 2, t + 3, 64), float("nan"), dtype=torch.float32, device=DEV)
                 got = mod.dequantize_pages(*a[1:9], *a[12:15], max_len=max_len, out=(buf[0, :, :, 1:t + 1],
                                                                                       buf[1, :, :, 1:t + 1]))
                 assert got[0].data_ptr() == buf[0, :, :, 1:].data_ptr() and torch.isnan(buf[:, :, :, 0]).all()
