@@ -5,6 +5,9 @@
 # SASS per step summed over the warps; 32-token steps (KIVI_DECODE_STEP=32) do not spill at one warp either (4/4 3184
 # SASS per 64 tokens against 2700). Same-process A/B, CUDA graphs; outputs compared with the default.
 # Device command (no carry, ~5 minutes):  bash eval/d256_check.sh
+# Verdict (session 35, eval/results/ab_d256_s35.json, ab_d256_b_s35.json): the default (one warp, 64-token steps) is
+# fastest everywhere timed: 4/4 g32 8x8x32k 0.268 ms against 0.32-0.37 for s32/w2/w2s32; 2/2 g32 0.182 against
+# 0.33-0.47; 4/2 g64 0.206 against 0.229 (w2), and 1x8x128k 0.111 against 0.119. The default stays.
 . eval/device_env.sh
 python3 -c "import triton; print('triton', triton.__version__)"
 timeout 330 python3 eval/ab_decode.py --graph --head-dim 256 --q-heads 16 --rounds 3 \

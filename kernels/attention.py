@@ -713,7 +713,9 @@ def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
 
 
 def _step_tokens(page_size: int, group_size: int, interp: bool) -> int:
-    """Tokens per step of the paged loop: whole key groups inside one page, up to KIVI_DECODE_STEP (64)."""
+    """Tokens per step of the paged loop: whole key groups inside one page, up to KIVI_DECODE_STEP (64). At head_dim
+    256 too, although that build spills under Triton 3.6: 32-token steps and two-warp programs (no spills) were
+    8-160% slower on the H200 (eval/results/ab_d256_s35.json, ab_d256_b_s35.json)."""
     cap = max(group_size, int(os.environ.get("KIVI_DECODE_STEP", 64)))
     return max(g for g in (group_size * (1 << i) for i in range(8)) if g <= cap and page_size % g == 0)
 
