@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import threading
 
 import torch
 
@@ -83,8 +84,25 @@ def check_sm_scale(sm_scale) -> None:
 
 
 def values_checked(t: torch.Tensor) -> bool:
-    """Whether the values of index tensor ``t`` are checked (no device sync, or asked for)."""
-    return (not t.is_cuda and not t.is_meta) or CHECK_INDICES
+    """Whether the values of index tensor ``t`` are checked (no device sync and not :class:`own_state`, or asked
+    for)."""
+    return CHECK_INDICES or (not t.is_cuda and not t.is_meta and not getattr(_OWN, "on", False))
+
+
+_OWN = threading.local()
+
+
+class own_state:  # noqa: N801  (used as a function: ``with checks.own_state():``)
+    """Within it (this thread), the index values are not checked, as on a GPU: for the cache's calls on its own
+    block tables and lengths, valid by construction (the by-value checks cost ~40-100 us a call on the CPU, per layer
+    and step). Shapes, dtypes and devices are still checked; ``KIVI_CHECK_INDICES=1`` checks the values anyway."""
+
+    def __enter__(self):
+        self.prev = getattr(_OWN, "on", False)
+        _OWN.on = True
+
+    def __exit__(self, *exc):
+        _OWN.on = self.prev
 
 
 def check_write(k, v, pages, slots, pool, key_bits: int, value_bits: int, group_size: int) -> None:

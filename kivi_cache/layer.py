@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import ops
+from . import checks, ops
 from .config import QuantConfig
 from .lazy import KVHandle, PendingStep
 from .pool import PagePool
@@ -474,9 +474,9 @@ class QuantizedPagedLayer(CacheLayerMixin):
         else:
             slots = [slots] * len(pages) if isinstance(slots, int) else slots
             slots_dev = self._upload(np.array(slots, dtype=np.int32))
-        ops.quantize_and_write(  # strided views of the window are fine (the kernels take strides): no copies
-            k_groups, v_groups, pages_dev, slots_dev,
-            *self.pool.args(), key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
+        with checks.own_state():  # strided views of the window are fine (the kernels take strides): no copies
+            ops.quantize_and_write(k_groups, v_groups, pages_dev, slots_dev, *self.pool.args(), key_bits=cfg.key_bits,
+                                   value_bits=cfg.value_bits, group_size=cfg.group_size)
         return pages_dev
 
     def _write_groups(self, items) -> None:
@@ -552,10 +552,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self.commit(step, valid)
             return out
         bt, ql, rl = self._device_state()
-        out = ops.paged_prefix_attention(
-            query, bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
-            new_k=step.key, new_v=step.value, sm_scale=scaling, sliding_window=window, sink_logits=sink_logits, **bits,
-            new_mask=_chunk_visibility(attention_mask, n, self.batch_size, query.device, window))
+        new_mask = _chunk_visibility(attention_mask, n, self.batch_size, query.device, window)
+        with checks.own_state():
+            out = ops.paged_prefix_attention(
+                query, bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
+                new_k=step.key, new_v=step.value, sm_scale=scaling, sliding_window=window, sink_logits=sink_logits,
+                **bits, new_mask=new_mask)
         self.commit(step, valid)
         return out.transpose(1, 2)
 
@@ -633,10 +635,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 out[:, :, s + q:length] = res[:, :, s:r]
                 if tail is not None:
                     out[:, :, length:] = tail[i]
-            ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=q,
-                                 out=(k[:, :, s:s + q], v[:, :, s:s + q]))
+            with checks.own_state():
+                ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=q,
+                                     out=(k[:, :, s:s + q], v[:, :, s:s + q]))
             return k, v
-        qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=max(self.q_lens))
+        with checks.own_state():
+            qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=max(self.q_lens))
         k = torch.zeros(b, h, length, d, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         for i in range(b):

@@ -42,6 +42,29 @@ def _warn_slow_path(step) -> None:
                   "directly", RuntimeWarning, stacklevel=4)
 
 
+def _handle_to_tensor(a):
+    if isinstance(a, KVHandle):
+        _warn_slow_path(a.step)
+        return a.materialize()
+    return a
+
+
+def _real(a):
+    """``a`` (a torch function's arguments) with every handle replaced by its materialized history: plain tuples,
+    lists and dicts walked directly (the arguments of nearly every call; pytree's walk costs tens of microseconds),
+    other containers (namedtuples, OrderedDicts, ...) through pytree."""
+    t = type(a)
+    if t is tuple or t is list:
+        return t(_real(x) for x in a)
+    if t is dict:
+        return {k: _real(x) for k, x in a.items()}
+    if isinstance(a, KVHandle):
+        return _handle_to_tensor(a)
+    if isinstance(a, (tuple, list, dict)):
+        return tree_map(_handle_to_tensor, a)
+    return a
+
+
 class PendingStep:
     """The new tokens of one update call, shared by its key and value handles."""
 
@@ -82,13 +105,7 @@ class KVHandle(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
 
-        def real(a):
-            if isinstance(a, KVHandle):
-                _warn_slow_path(a.step)
-                return a.materialize()
-            return a
-
-        args, kwargs = tree_map(real, args), tree_map(real, kwargs)
+        args, kwargs = _real(args), _real(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

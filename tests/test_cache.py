@@ -1,5 +1,7 @@
 """QuantizedPagedCache against transformers' DynamicCache on tiny random models."""
 
+import collections
+
 import pytest
 import torch
 from models import SMALL, decisive_prompt, tiny_llama, tiny_llama_d64, tiny_qwen2
@@ -613,6 +615,11 @@ def test_handles_materialize_for_user_code():
     assert got.shape == (1, 2, 41, 32)
     assert torch.equal(got[:, :, -1:], k2)
     assert (got[:, :, :32] - k[:, :, :32]).abs().max() < 0.05  # quantized part (8-bit)
+    # handles inside the arguments' containers: a list, keyword arguments, a namedtuple (through pytree)
+    assert torch.equal(torch.cat([kh2, k2], dim=2), torch.cat([got, k2], dim=2))
+    assert torch.equal(torch.cat(tensors=(k2, kh2), dim=2), torch.cat([k2, got], dim=2))
+    pair = collections.namedtuple("pair", "a b")
+    assert torch.equal(torch.stack(pair(kh2, kh2)), torch.stack([got, got]))
 
 
 def test_update_rejects_mismatched_shapes():

@@ -396,3 +396,36 @@ def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
     assert torch.equal(out, chunked.paged_decode_attention(*args))  # the torch path (session 33; the reference before)
     ref = R.paged_decode_attention(*args)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3
+
+
+def test_own_state_skips_index_values_only_there(monkeypatch):
+    """checks.own_state (the cache's calls on its own tables) skips the by-value index checks, in its thread only,
+    and restores the previous state on the way out (an exception included); shapes are still checked there, and
+    KIVI_CHECK_INDICES (checks.CHECK_INDICES) checks the values anyway."""
+    import threading
+
+    from kivi_cache import checks
+
+    if DEV == "cuda":  # (the fixture turns CHECK_INDICES on there)
+        monkeypatch.setattr(checks, "CHECK_INDICES", False)
+    lengths = torch.tensor([40], dtype=I32, device="cpu")
+    bad_table = torch.tensor([[7]], dtype=I32, device="cpu")  # page 7 of a 3-page pool
+    with pytest.raises(ValueError, match="block_table entries"):
+        checks.check_tables(bad_table, lengths, 3, P)
+    seen = []
+    with checks.own_state():
+        checks.check_tables(bad_table, lengths, 3, P)  # not checked by value
+        with pytest.raises(ValueError, match="lengths must be"):
+            checks.check_tables(bad_table, lengths[:0], 3, P)  # shapes still are
+        other = threading.Thread(target=lambda: seen.append(checks.values_checked(lengths)))
+        other.start()
+        other.join()
+        monkeypatch.setattr(checks, "CHECK_INDICES", True)
+        with pytest.raises(ValueError, match="block_table entries"):
+            checks.check_tables(bad_table, lengths, 3, P)
+        monkeypatch.setattr(checks, "CHECK_INDICES", False)
+    assert seen == [True]  # another thread checks as before
+    with pytest.raises(RuntimeError), checks.own_state():
+        raise RuntimeError
+    with pytest.raises(ValueError, match="block_table entries"):
+        checks.check_tables(bad_table, lengths, 3, P)
