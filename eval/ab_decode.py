@@ -39,8 +39,9 @@ ap.add_argument("--cold", action="store_true", help="CUDA-graph replays with L2 
 ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every shape (64, 128, 256)")
 ap.add_argument("--q-heads", type=int, default=32, help="query heads (a multiple of every shape's KV heads)")
 ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="queries, residual, scales and zeros")
-ap.add_argument("--hot", type=int, default=0, help="also time cur with every block-table entry pointing into the "
-                "first N pages of the pool (an L2-resident history: the kernel's time with next to no DRAM traffic)")
+ap.add_argument("--hot", default="", help="N[,N...]: also time cur (as hotN) with every block-table entry pointing "
+                "into the first N pages of the pool (an L2-resident history: the kernel's time with next to no DRAM "
+                "traffic; N=1 keeps each program's page in L1)")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 
@@ -70,8 +71,9 @@ for spec_ in args.impl:
 for spec_ in args.env:
     n, kv = spec_.split(":", 1)
     impls.append((n, cur, dict(x.split("=", 1) for x in kv.split(","))))
-if args.hot:
-    impls.append(("hot", cur, {}))
+hot = [int(x) for x in args.hot.split(",") if x]
+for n_ in hot:
+    impls.append((f"hot{n_}", cur, {}))
 
 dev, hq, d, page, res = "cuda", args.q_heads, args.head_dim, 64, 128
 rows = []
@@ -109,18 +111,16 @@ for shape in args.shapes.split(","):
         rv = torch.randn(b, hkv, res + g, d, device=dev, dtype=dt, generator=gen)
         rl = torch.full((b,), res, device=dev, dtype=torch.int32)
         nbytes = pool_bytes(pool, b, hkv, t_q, d, page, g, kb, vb, res, hq)
-        if args.hot:  # same shape and lengths, every entry one of the first N pages: the history stays in L2
-            bt = pool["block_table"]
-            hot_pool = dict(pool, block_table=(torch.arange(bt.numel(), device=dev, dtype=torch.int32) % min(
-                args.hot, pool["k_codes"].shape[0])).reshape(bt.shape))
+        bt = pool["block_table"]  # hotN: same shape and lengths, every entry one of the first N pages (L2-resident)
+        hot_pools = {f"hot{n_}": dict(pool, block_table=(torch.arange(bt.numel(), device=dev, dtype=torch.int32) % min(
+            n_, pool["k_codes"].shape[0])).reshape(bt.shape)) for n_ in hot}
         times = {n: [] for n, _, _ in impls}
         outs = {}
         for _ in range(args.rounds):
             for n, mod, env in impls:
                 try:
                     with mock.patch.dict(os.environ, env):
-                        a = decode_args(hot_pool if n == "hot" else pool, q[:, :, 0], rk, rv, rl, kb, vb, g,
-                                        d ** -0.5)
+                        a = decode_args(hot_pools.get(n, pool), q[:, :, 0], rk, rv, rl, kb, vb, g, d ** -0.5)
                         f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
                         outs[n] = f().float()
                         times[n].append(bench(f))
@@ -131,12 +131,12 @@ for shape in args.shapes.split(","):
             if not times[n]:
                 continue
             t = statistics.median(times[n])
-            err = (float((outs[n] - ref).abs().max() / ref.abs().max()) if ref is not None and n != "hot"
+            err = (float((outs[n] - ref).abs().max() / ref.abs().max()) if ref is not None and n not in hot_pools
                    else float("nan"))  # the hot variant reads other pages: not comparable
             r = dict(impl=n, env=env, dtype=args.dtype, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, context=ctx,
                      key_bits=kb, value_bits=vb, group=g,
                      ms=t, ms_rounds=times[n], sdpa_ms=t_sdpa, tbps=nbytes / t / 1e9, speedup=t_sdpa / t,
-                     rel_err_vs_cur=err, bytes=nbytes, hot_pages=args.hot if n == "hot" else None)
+                     rel_err_vs_cur=err, bytes=nbytes, hot_pages=int(n[3:]) if n in hot_pools else None)
             rows.append(r)
             print(f"{shape:>12} d{d} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
                   f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}", flush=True)
