@@ -41,7 +41,7 @@ ap.add_argument("--q-heads", type=int, default=32, help="query heads (a multiple
 ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="queries, residual, scales and zeros")
 ap.add_argument("--hot", default="", help="N[,N...]: also time cur (as hotN) with every block-table entry pointing "
                 "into the first N pages of the pool (an L2-resident history: the kernel's time with next to no DRAM "
-                "traffic; N=1 keeps each program's page in L1)")
+                "traffic; with N=1 every step reads the same page, mostly from L1)")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 
