@@ -24,6 +24,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_kernels import cold_graph_bench, decode_args, graph_bench, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
+from graph_gap import Clocks, burst  # noqa: E402  (SM clock samples from nvidia-smi; back-to-back calls)
 
 from kivi_cache import kernels as cur  # noqa: E402
 
@@ -42,6 +43,10 @@ ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="queri
 ap.add_argument("--hot", default="", help="N[,N...]: also time cur (as hotN) with every block-table entry pointing "
                 "into the first N pages of the pool (an L2-resident history: the kernel's time with next to no DRAM "
                 "traffic; with N=1 every step reads the same page, mostly from L1)")
+ap.add_argument("--burst-ms", type=float, default=0.0, help="after the rounds, also launch each implementation "
+                "eagerly back to back for about this many ms and record its ms per call with the SM clock and power "
+                "sampled meanwhile (nvidia-smi -lms 20): variants compared at a known clock (session 16: sustained "
+                "load lowers it); host-bound below ~0.05 ms a call")
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 
@@ -126,6 +131,18 @@ for shape in args.shapes.split(","):
                         times[n].append(bench(f))
                 except Exception as e:  # noqa: BLE001
                     print(f"{shape} k{kb}v{vb}g{g} {n}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        bursts = {}
+        if args.burst_ms:
+            for n, mod, env in impls:
+                if not times[n]:
+                    continue
+                with mock.patch.dict(os.environ, env):
+                    a = decode_args(hot_pools.get(n, pool), q[:, :, 0], rk, rv, rl, kb, vb, g, d ** -0.5)
+                    f = lambda mod=mod, a=a: mod.paged_decode_attention(*a)  # noqa: E731
+                    calls = max(10, int(args.burst_ms / statistics.median(times[n])))
+                    with Clocks() as clk:
+                        ms = burst(f, calls, cuda=dev == "cuda")
+                    bursts[n] = dict(burst_ms_per_call=ms, burst_calls=calls, **clk.summary())
         ref = outs.get("cur")
         for n, _, env in impls:
             if not times[n]:
@@ -136,10 +153,14 @@ for shape in args.shapes.split(","):
             r = dict(impl=n, env=env, dtype=args.dtype, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, context=ctx,
                      key_bits=kb, value_bits=vb, group=g,
                      ms=t, ms_rounds=times[n], sdpa_ms=t_sdpa, tbps=nbytes / t / 1e9, speedup=t_sdpa / t,
-                     rel_err_vs_cur=err, bytes=nbytes, hot_pages=int(n[3:]) if n in hot_pools else None)
+                     rel_err_vs_cur=err, bytes=nbytes, hot_pages=int(n[3:]) if n in hot_pools else None,
+                     **bursts.get(n, {}))
             rows.append(r)
             print(f"{shape:>12} d{d} k{kb}v{vb}g{g} {n:>8}: {t:.4f} ms {r['tbps']:.2f} TB/s  sdpa {t_sdpa:.4f} -> "
-                  f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}", flush=True)
+                  f"{r['speedup']:.2f}x  err {err:.1e}  rounds {[round(x, 4) for x in times[n]]}"
+                  + (f"  burst {r['burst_ms_per_call']:.4f} ms at SM {r.get('sm_mhz_median', '?')} MHz"
+                     f" (min {r.get('sm_mhz_min', '?')}), {r.get('power_w_max', '?')} W" if n in bursts else ""),
+                  flush=True)
         del pool
         save()
 
