@@ -6,7 +6,9 @@ import dataclasses
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.configuration_utils import PretrainedConfig
 
+from . import checks
 from .config import QuantConfig, _check_int
 from .layer import QuantizedPagedLayer
 from .memory import MemoryReport
@@ -29,6 +31,9 @@ def _layer_windows(config) -> list:
 def _check_model_config(config) -> None:
     """Refuse model configurations whose attention the cache would get wrong: layer types other than full and
     sliding-window attention."""
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"config must be the model's configuration (a transformers PretrainedConfig, e.g. "
+                         f"model.config) or None, got {type(config).__name__}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     allowed = ("full_attention", "sliding_attention")
     unsupported = sorted({t for t in getattr(text, "layer_types", None) or [] if t not in allowed})
@@ -50,8 +55,8 @@ class QuantizedPagedCache(Cache):
         group_size: tokens per key group (per channel) and channels per value group (per token).
         residual_length: newest tokens kept in full precision.
         page_size: tokens per page (a multiple of group_size).
-        num_pages: pages to preallocate per layer (0: grow on demand, by at least 1/8 of the pool, and
-            exactly what a prefill needs).
+        num_pages: pages to preallocate per layer (0: grow on demand: by what a prefill needs, and by at
+            least 1/8 of the pool and at least 16 pages at a time).
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
         config: optional model config, checked up front for attention the cache does not support (layer types
             other than full and sliding-window attention, e.g. chunked attention or state-space layers); with
@@ -100,7 +105,8 @@ class QuantizedPagedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
-            self.quant_config.check_head_dim(key_states.shape[-1])  # before any state changes
+            checks.check_states(key_states, value_states)  # before any state changes
+            self.quant_config.check_head_dim(key_states.shape[-1])
         while len(self.layers) <= layer_idx:
             i = len(self.layers)
             own = self._layer_configs[i] if i < len(self._layer_configs) else None

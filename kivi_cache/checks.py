@@ -30,6 +30,19 @@ def shape_of(name: str, t, dims: int) -> tuple:
     return tuple(t.shape)
 
 
+def check_states(key_states, value_states) -> None:
+    """A cache update's key and value states: [batch, heads, tokens, head_dim] tensors of one batch and token count
+    on one device (heads and head_dim are checked against each other and the cache by the layer)."""
+    k = shape_of("key_states", key_states, 4)
+    v = shape_of("value_states", value_states, 4)
+    if (k[0], k[2]) != (v[0], v[2]):
+        raise ValueError(f"key_states {list(k)} and value_states {list(v)} must have the same batch size and number "
+                         "of tokens (dimensions 0 and 2 of [batch, heads, tokens, head_dim])")
+    if key_states.device != value_states.device:
+        raise ValueError(f"key_states is on {key_states.device} and value_states on {value_states.device}: both must "
+                         "be on one device")
+
+
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple) -> None:
     if t.dtype not in allowed:
         raise ValueError(f"{name} must have dtype in {allowed}, got {t.dtype}")

@@ -179,6 +179,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        checks.check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, n, d = key_states.shape

@@ -46,6 +46,29 @@ def test_head_dim_not_divisible_by_group_fails_at_first_update_without_state():
     assert len(cache.layers) == 0 and cache.get_seq_length() == 0
 
 
+@pytest.mark.parametrize("k,v,msg", [
+    (torch.randn(2, 5, 32), torch.randn(2, 5, 32), r"key_states must be a 4-d tensor, got \[2, 5, 32\]"),
+    (torch.randn(1, 2, 5, 32), None, r"value_states must be a 4-d tensor, got NoneType"),
+    (torch.randn(1, 2, 5, 32), torch.randn(1, 2, 4, 32), r"same batch size and number of tokens"),
+    (torch.randn(1, 2, 5, 32), torch.randn(2, 2, 5, 32), r"same batch size and number of tokens"),
+    (torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32, device="meta"), r"both must be on one device"),
+])
+def test_update_states_checked_before_any_state_changes(k, v, msg):
+    cache = QuantizedPagedCache(group_size=32, page_size=64)
+    with pytest.raises(ValueError, match=msg):
+        cache.update(k, v, 0)
+    assert len(cache.layers) == 0 and cache.get_seq_length() == 0
+    cache.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32), 0)  # an initialized layer checks them too
+    with pytest.raises(ValueError, match=msg):
+        cache.update(k, v, 0)
+    assert cache.get_seq_length() == 5
+
+
+def test_config_must_be_a_model_config():
+    with pytest.raises(ValueError, match=r"config must be the model's configuration .* got str"):
+        QuantizedPagedCache(config="abc")
+
+
 def test_group_smaller_than_a_word_of_value_codes_is_refused():
     # value codes are stored in 32-bit words of consecutive tokens: a group must fill whole words
     with pytest.raises(ValueError, match="group_size must be at least 16 with value_bits=2"):
