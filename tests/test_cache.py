@@ -583,6 +583,10 @@ def test_memory_report_counts_bytes_exactly():
     assert with_sinks.memory_report().sink_tokens == 2 * 2 * 3  # layers x sequences x sinks
     assert with_sinks.memory_report().sinks == 2 * 2 * 3 * 2 * h * d * 4
     assert rep.fp16_equivalent == 2 * 2 * (q + r) * h * d * 2
+    assert rep.live == rep.codes + rep.scales + rep.zeros + rep.residual  # each kind counted, from its own sum
+    held = sum(t.numel() * t.element_size() for lay in cache.layers
+               for t in (*lay.pool.tensors.values(), lay.res_k, lay.res_v))  # what the tensors hold, counted here
+    assert rep.allocated == held
     assert rep.allocated == rep.live + rep.pool_slack and rep.pool_slack >= 0
     assert rep.compression == pytest.approx(rep.fp16_equivalent / rep.live)
     assert "compression" in str(rep)
@@ -685,6 +689,68 @@ def test_crop_with_sinks(remove):
     assert layer.pool.pages_in_use == -(-layer.q_lens[0] // SMALL["page_size"])
     stepwise_logits(model, torch.randint(0, 128, (1, 20)), cache, 1)  # keeps working
     assert cache.get_seq_length() == n + 20
+
+
+@pytest.mark.parametrize("sink", [0, 4])
+@pytest.mark.parametrize("prefill", [1, 16, 31, 32, 47, 48, 63, 100])
+def test_window_holds_whole_groups_beyond_r(prefill, sink):
+    """After any prefill and any decode step, a sequence longer than R keeps R..R+G-1 full-precision tokens after
+    its sinks and stores whole key groups before them: q = (n - s - R) // G * G exactly (one group flushed early or
+    late changes the logits only by quantization noise, which the token tests do not see)."""
+    g, r_len = SMALL["group_size"], SMALL["residual_length"]
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, sink_length=sink, **SMALL)
+    for n in range(prefill, prefill + 2 * g + 1):
+        k = torch.randn(1, 2, n - cache.get_seq_length(), 32)
+        cache.update(k, k, 0)
+        layer = cache.layers[0]
+        layer.commit(layer.pending)
+        s = min(sink, n)
+        assert layer.sinks == [s]
+        assert layer.q_lens == [max(0, n - s - r_len) // g * g], n
+        assert layer.q_lens[0] + layer.r_lens[0] == n
+
+
+@pytest.mark.parametrize("remove", range(19, 28))
+def test_crop_with_sinks_across_the_window_edge(remove):
+    """Crops that take the whole window after the sinks and reach into the pages (90 tokens: 4 sinks, 64 quantized,
+    22 in the window): the first n tokens stay as they were stored, sinks included, and whole groups stay in pages."""
+    g = SMALL["group_size"]
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, sink_length=4, **SMALL)
+    k = torch.randn(1, 2, 90, 32)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    assert (layer.q_lens[0], layer.r_lens[0], layer.sinks[0]) == (64, 26, 4)
+    before, _ = layer._stored_layout(90)
+    cache.crop(-remove)
+    n = 90 - remove
+    assert layer.sinks == [4] and layer.r_lens[0] >= 4
+    assert layer.q_lens == [(n - 4) // g * g] and layer.q_lens[0] + layer.r_lens[0] == n
+    after, _ = layer._stored_layout(n)
+    assert torch.equal(after, before[:, :, :n])
+
+
+def test_flush_into_a_shared_page_copies_it_first():
+    """Rows made by batch_repeat_interleave share their pages; the next flush writes into the shared, partly filled
+    page, so each row must get its own copy of it (copy-on-write) holding the groups already there."""
+    g = SMALL["group_size"]
+    cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
+    k = torch.randn(1, 2, 40, 32)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    assert layer.q_lens == [g]  # one group in the first half of page 0
+    first, _ = layer._stored_layout(40)
+    cache.batch_repeat_interleave(2)
+    assert layer.pool.pages_in_use == 1
+    for _ in range(8):  # the window reaches R + G: each row flushes a group into the second half of the page
+        x = torch.randn(2, 2, 1, 32)
+        cache.update(x, x, 0)
+        layer.commit(layer.pending)
+    assert layer.q_lens == [2 * g, 2 * g] and layer.pool.pages_in_use == 2
+    got, _ = layer._stored_layout(48)
+    for row in range(2):
+        assert torch.equal(got[row, :, :g], first[0, :, :g])
 
 
 def test_each_layer_keeps_its_pages_on_its_own_device():
