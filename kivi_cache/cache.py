@@ -16,8 +16,9 @@ from .memory import MemoryReport
 
 def _layer_windows(config) -> list:
     """Each layer's sliding window by the model config (None: full attention): for sizing pools only (the window a
-    layer is served with comes from its attention module, through the hook)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer is served with comes from its attention module, through the hook). ``config``: a PretrainedConfig
+    (checked by _check_model_config first)."""
+    text = config.get_text_config()
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -34,7 +35,7 @@ def _check_model_config(config) -> None:
     if not isinstance(config, PretrainedConfig):
         raise ValueError(f"config must be the model's configuration (a transformers PretrainedConfig, e.g. "
                          f"model.config) or None, got {type(config).__name__}")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config()
     allowed = ("full_attention", "sliding_attention")
     unsupported = sorted({t for t in getattr(text, "layer_types", None) or [] if t not in allowed})
     if unsupported:
