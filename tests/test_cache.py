@@ -753,6 +753,20 @@ def test_flush_into_a_shared_page_copies_it_first():
         assert torch.equal(got[row, :, :g], first[0, :, :g])
 
 
+def test_batch_repeat_interleave_of_a_batch_repeats_each_row_in_place():
+    """[a, b] repeated twice is [a, a, b, b] (torch.repeat_interleave), pages, window and lengths alike; generate calls
+    it on an empty cache, so only a filled batch of two or more shows the order."""
+    cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
+    k = torch.randn(2, 2, 40, 32)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    layer.commit(layer.pending)
+    before = layer.keys.clone()
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(layer.keys, before.repeat_interleave(2, dim=0))
+    assert cache.layers[0].q_lens == [16] * 4
+
+
 def test_each_layer_keeps_its_pages_on_its_own_device():
     """device_map="auto" puts layers on different devices; each layer's pool, window and block table
     must follow its own keys. Without GPUs, the meta device stands in for a second device."""

@@ -349,6 +349,31 @@ def test_sliding_window_models_are_served_from_the_pages(monkeypatch, family):
     torch.testing.assert_close(served_logits, fallback_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [24, 25])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_sliding_window_release_at_every_window_phase(monkeypatch, window, backend):
+    """The page a window's oldest token sits in must stay until the window has left it. With window 25 over 16-token
+    pages and an 8-token residual the window's start crosses a page boundary exactly at some steps (window 24 never
+    does); on the torch backend the decode runner calls the op without its kernel path. Served logits equal the
+    fallback's, which stores every token and never releases a page."""
+    import kivi_cache
+    from kivi_cache import hook
+
+    torch.manual_seed(0)
+    model = T.MistralForCausalLM(T.MistralConfig(**SMALL, head_dim=32, sliding_window=window)).eval()
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    kivi_cache.set_backend(backend)
+    try:
+        served = QuantizedPagedCache(**SLIDING_PAGED)
+        _, logits = _generate(model, ids, None, served, n=40)
+    finally:
+        kivi_cache.set_backend("auto")
+    assert served.layers[0].sliding_window == window and served.layers[0].hidden[0] > 0  # pages were released
+    monkeypatch.setattr(hook, "_pattern", lambda module, kwargs: (False, None))
+    _, fallback_logits = _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=40)
+    torch.testing.assert_close(logits, fallback_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_global_layers_of_a_model_whose_modules_all_hold_the_window():
     """EXAONE 4 sets ``sliding_window`` on every attention module, its global (full-attention) layers too, and
     passes ``sliding_window=None`` for those: they are full attention (before, the hook read the module's attribute

@@ -17,6 +17,8 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-
 
 from models import tiny_llama  # noqa: E402
 
+from kivi_cache import Int4PagedCache, QuantizedPagedCache  # noqa: E402
+
 TASKS = Path(__file__).resolve().parents[1] / "eval" / "tasks"
 SMALL = "group_size=16,residual_length=16,page_size=32"
 
@@ -213,7 +215,11 @@ def test_integer_like_args_accepted(hflm_calls, tiny_dir):
     assert lm.cache_overrides == dict(key_bits=2, value_bits=4, group_size=16, residual_length=16, page_size=32)
     assert all(type(v) is int for v in lm.cache_overrides.values())
     assert (lm.prefill_tokens, lm.stream_tokens, lm.chunk) == (8, 4, 2)
-    assert lm.new_cache().quant_config.group_size == 16
+    cache = lm.new_cache()
+    # settings without a preset: QuantizedPagedCache's own defaults (no sinks), not the int4 preset's
+    assert type(cache) is QuantizedPagedCache and lm.preset is None
+    assert (cache.quant_config.group_size, cache.quant_config.sink_length) == (16, 0)
+    assert type(KiviLM(pretrained=tiny_llama(layers=1)).new_cache()) is Int4PagedCache  # nothing given: int4
     # from the arg string: digits arrive as int, a quoted "16" as str
     lm = KiviLM.create_from_arg_string(f'pretrained={tiny_dir},group_size="16",residual_length=16,page_size=32',
                                        {"device": "cpu", "batch_size": 1})
