@@ -334,6 +334,33 @@ def _left_padded(seed):
     return ids, mask
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_prefill_equals_generate_storing_the_prompt_itself(chunk):
+    """prefill's chunks (positions and mask per chunk) against no prefill at all, with transformers' DynamicCache:
+    the logits of every new token agree; and a quantized cache counts each sequence's pads over the chunks."""
+    from kivi_cache import prefill
+
+    model = tiny_qwen2()
+    ids, mask = _left_padded(5)
+
+    def logits(cache):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=10,
+                                 min_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+        return torch.stack(out.logits, 1)
+
+    ref = logits(DynamicCache())
+    cache = DynamicCache()
+    prefill(model, cache, ids, attention_mask=mask, chunk_size=chunk)
+    torch.testing.assert_close(logits(cache), ref, rtol=1e-4, atol=1e-4)
+    paged = QuantizedPagedCache(**CFG)
+    prefill(model, paged, ids, attention_mask=mask, chunk_size=chunk)
+    layer = paged.layers[0]
+    assert layer.pads == [0, 9, 33]
+    assert all(p + q + r == layer.seen == 69 for p, q, r in zip(layer.pads, layer.q_lens, layer.r_lens, strict=True))
+
+
 def test_prefill_then_generate_matches_the_dynamic_cache_and_compiles_no_prompt_chunk():
     """kivi_cache.prefill stores all but the last prompt token eagerly (generate would compile every chunk's
     forward for a compileable cache); generate then runs the last token and the decode steps: same tokens as
