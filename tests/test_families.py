@@ -374,6 +374,23 @@ def test_sliding_window_release_at_every_window_phase(monkeypatch, window, backe
     torch.testing.assert_close(logits, fallback_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_soft_capping_is_never_served_from_the_pages(monkeypatch):
+    """Gemma 2 caps its attention scores (attn_logit_softcapping), which the paged kernels do not: under "kivi" every
+    step takes the fallback, the original sdpa, which refuses soft-capping with a ValueError (use eager attention
+    for Gemma 2). A one-token prompt is the case that would otherwise be served, silently without the cap."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    torch.manual_seed(0)
+    model = modeling_gemma2.Gemma2ForCausalLM(T.Gemma2Config(
+        **SMALL, head_dim=32, attn_logit_softcapping=2.0, sliding_window=512)).eval()
+    model.set_attn_implementation("kivi")
+    calls = _materialize_calls(monkeypatch)
+    ids = torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="softcap"):
+        _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=4)
+    assert calls  # the fallback was taken
+
+
 def test_global_layers_of_a_model_whose_modules_all_hold_the_window():
     """EXAONE 4 sets ``sliding_window`` on every attention module, its global (full-attention) layers too, and
     passes ``sliding_window=None`` for those: they are full attention (before, the hook read the module's attribute
