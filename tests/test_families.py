@@ -138,6 +138,32 @@ def test_encoder_decoder_caches(name):
         torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
 
 
+def test_cross_attention_as_long_as_the_decoder_step_is_not_served_as_self_attention():
+    """Teacher forcing 30 decoder tokens over a 30-token, right-padded encoder input: the cross-attention keys then
+    have the queries' length; BART marks those modules is_causal=False, and they must not be served as causal
+    self-attention (which would also count the encoder's padding as the cache's pads). Nothing is quantized: the
+    logits equal DynamicCache's."""
+    from transformers import EncoderDecoderCache
+
+    model = _bart()
+    gen = torch.Generator().manual_seed(1)
+    ids, dec = torch.randint(3, 128, (2, 30), generator=gen), torch.randint(3, 128, (2, 30), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -6:] = 0
+    nxt = torch.randint(3, 128, (2, 1), generator=gen)
+
+    def run(cache):
+        with torch.no_grad():
+            enc = model.get_encoder()(input_ids=ids, attention_mask=mask)
+            kw = dict(encoder_outputs=enc, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+            return torch.cat([model(decoder_input_ids=dec, **kw).logits, model(decoder_input_ids=nxt, **kw).logits], 1)
+
+    ref = run(EncoderDecoderCache(DynamicCache(), DynamicCache()))
+    cache = EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT), QuantizedPagedCache(**NO_QUANT))
+    torch.testing.assert_close(run(cache), ref, rtol=1e-5, atol=1e-5)
+    assert all(layer.pads == [0, 0] for layer in cache.cross_attention_cache.layers)
+
+
 def test_whisper_generate_returning_a_dict():
     """Whisper's generate with ``return_dict_in_generate`` splits the cache by sequence through each layer's
     ``keys``/``values`` (None on a QuantizedPagedLayer before: TypeError). They are now the dequantized history."""
