@@ -1381,7 +1381,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     chk.check_sink_logits(sink_logits, q)
     chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
                         res_lengths, key_bits, value_bits, group_size)
-    chk.check_prefix_chunk(q, new_k, new_v, new_mask)
+    chk.check_prefix_chunk(q, new_k, new_v, new_mask, k_codes.shape[1])
     check_pool_strides((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
     bsz, hq, ql, d = q.shape
     _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)

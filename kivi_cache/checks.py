@@ -270,7 +270,7 @@ def check_prefix(q, block_table, lengths, pool, res_k, res_v, res_lengths, new_k
                  value_bits: int, group_size: int, sm_scale, sliding_window, sink_logits) -> None:
     """Every argument of the torch paths' ``paged_prefix_attention`` (q ``[B, Hq, L, D]``)."""
     check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size)
-    check_prefix_chunk(q, new_k, new_v, new_mask)
+    check_prefix_chunk(q, new_k, new_v, new_mask, pool[0].shape[1])
     check_sliding_window(sliding_window)
     check_sm_scale(sm_scale)
     check_sink_logits(sink_logits, q)
@@ -300,14 +300,14 @@ def attention_values(block_table, lengths, k_codes, res_k, res_lengths) -> None:
     window_values(res_lengths, res_k.shape[2])
 
 
-def check_prefix_chunk(q, new_k, new_v, new_mask) -> None:
-    """paged_prefix_attention's chunk: new_k, new_v ``[B, Hkv, L, D]`` floats, new_mask ``[B, L, L]`` bool, on q's
-    device."""
-    bsz, hq, ql, d = shape_of("q", q, 4)
-    h = new_k.shape[1] if new_k.dim() == 4 else 0
+def check_prefix_chunk(q, new_k, new_v, new_mask, kv_heads: int) -> None:
+    """paged_prefix_attention's chunk: new_k, new_v ``[B, Hkv, L, D]`` floats (``kv_heads``: the pool's Hkv),
+    new_mask ``[B, L, L]`` bool, on q's device."""
+    bsz, _, ql, d = shape_of("q", q, 4)
     for name, t in (("new_k", new_k), ("new_v", new_v)):
-        if shape_of(name, t, 4) != (bsz, h, ql, d) or (h and hq % h):
-            raise ValueError(f"{name} must be [B={bsz}, Hkv, L={ql}, D={d}] like q and new_k, got {list(t.shape)}")
+        if shape_of(name, t, 4) != (bsz, kv_heads, ql, d):
+            raise ValueError(f"{name} must be [B={bsz}, Hkv={kv_heads}, L={ql}, D={d}] like q and the pool, "
+                             f"got {list(t.shape)}")
         check_dtype(name, t, FLOATS)
     if shape_of("new_mask", new_mask, 3) != (bsz, ql, ql) or new_mask.dtype != torch.bool:
         raise ValueError(f"new_mask must be a bool [B={bsz}, L={ql}, L={ql}] tensor, got {list(new_mask.shape)} "

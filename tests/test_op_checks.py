@@ -139,6 +139,40 @@ def test_prefix_and_dequantize_reject_bad_arguments(mod):
         mod.dequantize_pages(a["block_table"].to("meta"), a["lengths"], *a["pool"], 4, 4, G)
 
 
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("which", [2, 5], ids=["k_zero", "v_zero"])
+def test_zero_points_must_have_their_scales_dtype(mod, which):
+    a = decode_args()
+    pl = list(a["pool"])
+    pl[which] = pl[which].float()
+    name, scale = ("k_zero", "k_scale") if which == 2 else ("v_zero", "v_scale")
+    with pytest.raises(ValueError, match=f"{name} must have {scale}'s dtype"):
+        mod.dequantize_pages(a["block_table"], a["lengths"], *pl, 4, 4, G)
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+@pytest.mark.parametrize("heads", [2, 3])
+def test_prefix_chunk_heads_must_be_the_pools(mod, heads):
+    """new_k/new_v carry the pool's KV heads (1 here): 2 (which Hq=2 divides) or 3 (which it does not) are refused by
+    name (before: torch's RuntimeError from inside the op for 2, and for 3 in place of this check)."""
+    a = decode_args()
+    q = torch.randn(2, 2, 3, D).to(DT)
+    new = torch.randn(2, heads, 3, D).to(DT)
+    mask = torch.ones(2, 3, 3, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="new_k must be \\[B=2, Hkv=1, L=3, D=64\\]"):
+        mod.paged_prefix_attention(q, a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"],
+                                   a["res_lengths"], new, new, mask, 4, 4, G, 0.125)
+
+
+@pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
+def test_dequantize_out_tensors_must_share_strides(mod):
+    a = decode_args()
+    k = torch.empty(2, 1, 96, D, dtype=DT)
+    v = torch.empty(2, 1, 104, D, dtype=DT)[:, :, :96]  # same shape, another token stride
+    with pytest.raises(ValueError, match="out tensors must share strides"):
+        mod.dequantize_pages(a["block_table"], a["lengths"], *a["pool"], 4, 4, G, out=(k, v))
+
+
 @pytest.mark.skipif(DEV != "cpu", reason="about CPU tensors without the interpreter")
 def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
     """set_backend('triton') with CPU tensors and no interpreter: a clear error, not Triton's '0 active drivers'."""
@@ -289,6 +323,8 @@ FLUSH_CASES = {
     "misaligned": (dict(lengths=ints(100, 32)), "lengths .*flush.* multiples of group_size=32.*\\[100\\]"),
     # a negative sink count: the flush read and moved window rows before the window's start
     "negative_sinks": (dict(sink_lengths=ints(-5, 2)), "sink_lengths must be in \\[0, sink_length=2\\]"),
+    # more sinks than sink_length: the flush would keep rows past the sinks' place in the window as sinks
+    "sinks_past_sink_length": (dict(sink_lengths=ints(5, 2)), "sink_lengths must be in \\[0, sink_length=2\\]"),
     # the reference took a window too small for its sinks, residual and group
     "capacity": (dict(res_k=torch.randn(2, 1, 41, D).to(DT), res_v=torch.randn(2, 1, 41, D).to(DT),
                       res_lengths=ints(3, 5)), "res_k/res_v must be \\[B, H, >= sink_length \\+ residual_length"),
