@@ -25,6 +25,7 @@ The thresholds leave a margin under the measurements.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -138,3 +139,24 @@ def test_int4_close_to_full_precision(agreement):
     assert mean >= MIN_MEAN_AGREE_INT4 or len(per_prompt) == 1, per_prompt
     forced = {name: row["int4_forced"] for name, row in agreement.items()}
     assert min(forced.values()) >= MIN_FORCED_INT4, forced
+
+
+def test_loader_fetches_nothing(monkeypatch):
+    """load_smollm2 turns off the Hub's kernels layers (on by default from transformers 5.25, which fetch code at
+    load time) and sets HF_HUB_OFFLINE: the loader's arguments, without loading the weights."""
+    import transformers
+
+    from kivi_cache.models import load_smollm2
+
+    seen = {}
+
+    def fake(folder, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(RuntimeError, match="stop here"):
+        load_smollm2()
+    assert seen["use_kernels"] is False and seen["gguf_file"].endswith(".gguf")
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
