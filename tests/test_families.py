@@ -623,12 +623,54 @@ def test_config_sizes_the_pools_of_sliding_layers():
     sized = QuantizedPagedCache(**SLIDING_PAGED, config=model.config, max_batch_size=2, max_cache_len=260)
     seq, _ = _generate(model, ids, None, sized, n=40)
     sliding = 2 * cfg.sliding_pages_per_sequence(24, 260) + 1
-    assert sliding == 7
+    assert sliding == 5
     assert [layer.pool.capacity for layer in sized.layers] == [sliding, sliding, 2 * cfg.pages_per_sequence(260)]
     plain_seq, _ = _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=40)
     assert torch.equal(seq, plain_seq)
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
         cfg.sliding_pages_per_sequence(0, 100)
+
+
+def test_sliding_page_bound_is_tight(monkeypatch):
+    """``QuantConfig.sliding_pages_per_sequence`` is the most pages a sequence of a sliding layer holds while
+    decoding: across windows of several phases against 32-token pages of 8-token groups (R=8), a padded batch of 2
+    and beam search, the peak of the pool's pages in use (the zero page aside) never exceeds the bound times the
+    sequences, and reaches it for some windows (one page less would not do; session 38's mutation of the former
+    ``+ 2`` survived, session 39 found it one page too many)."""
+    from kivi_cache.pool import PagePool
+
+    paged = dict(key_bits=8, value_bits=8, group_size=8, residual_length=8, page_size=32)
+    cfg = QuantConfig(**paged)
+    peak = {}
+    for name in ("allocate", "allocate_many", "copy_on_write"):
+        real = getattr(PagePool, name)
+
+        def wrapped(self, *a, _real=real):
+            out = _real(self, *a)
+            new = [out] if isinstance(out, int) else out
+            used = self.pages_in_use - (self.zero is not None and self.zero not in new)  # the zero page aside
+            peak[id(self)] = max(peak.get(id(self), 0), used)
+            return out
+        monkeypatch.setattr(PagePool, name, wrapped)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    peaks = {}
+    for w, beams in [(w, 1) for w in range(27, 60, 4)] + [(45, 2)]:
+        peak.clear()
+        torch.manual_seed(0)
+        model = T.MistralForCausalLM(T.MistralConfig(**dict(SMALL, num_hidden_layers=1), head_dim=32,
+                                                     sliding_window=w)).eval()
+        cache = QuantizedPagedCache(**paged)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=150,
+                           min_new_tokens=150, do_sample=False, pad_token_id=0, num_beams=beams)
+        assert cache.layers[0].sliding_window == w
+        seqs = 2 * beams
+        peaks[w, beams] = (max(peak.values()), seqs * cfg.sliding_pages_per_sequence(w, 159),
+                           seqs * cfg.pages_per_sequence(159))
+    assert all(p <= b < f for p, b, f in peaks.values()), peaks
+    assert any(p == b for p, b, _ in peaks.values()), peaks
 
 
 def test_learned_attention_sinks_are_served(monkeypatch):
