@@ -806,3 +806,20 @@ def test_chunked_prefill_kernel_path_matches_reference(bits):
     a, b = logits["triton"][valid], logits["torch"][valid]
     err = ((a - b).norm() / b.norm()).item()
     assert torch.isfinite(logits["triton"][valid]).all() and err < 1e-4, err
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 5, 9])
+def test_chunk_visibility_without_a_mask_is_the_causal_window(window):
+    """A chunk of several tokens on a filled cache with no mask (a direct call; transformers passes one there): token
+    i of the chunk sees token j iff j <= i and, with a window, i - j < window, as the float mask transformers builds
+    (additive, finfo.min where hidden) says through the same function."""
+    from kivi_cache.layer import _chunk_visibility
+
+    n, past = 7, 5
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    want = (j <= i) & (torch.ones(n, n, dtype=torch.bool) if window is None else (i - j < window))
+    got = _chunk_visibility(None, n, 2, "cpu", window)
+    assert got.shape == (2, n, n) and torch.equal(got[0], want) and torch.equal(got[1], want)
+    float_mask = torch.zeros(2, 1, n, past + n)
+    float_mask[..., past:].masked_fill_(~want, torch.finfo(torch.float32).min)
+    assert torch.equal(_chunk_visibility(float_mask, n, 2, "cpu", window), got)
