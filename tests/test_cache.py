@@ -582,6 +582,8 @@ def test_memory_report_counts_bytes_exactly():
     stepwise_logits(model, torch.randint(0, 128, (2, 100)), with_sinks, 40)
     assert with_sinks.memory_report().sink_tokens == 2 * 2 * 3  # layers x sequences x sinks
     assert with_sinks.memory_report().sinks == 2 * 2 * 3 * 2 * h * d * 4
+    ws = with_sinks.memory_report()  # the sinks are part of the residual, not taken from it again
+    assert ws.live == ws.codes + ws.scales + ws.zeros + ws.residual and ws.residual > ws.sinks > 0
     assert rep.fp16_equivalent == 2 * 2 * (q + r) * h * d * 2
     assert rep.live == rep.codes + rep.scales + rep.zeros + rep.residual  # each kind counted, from its own sum
     held = sum(t.numel() * t.element_size() for lay in cache.layers
@@ -589,7 +591,11 @@ def test_memory_report_counts_bytes_exactly():
     assert rep.allocated == held
     assert rep.allocated == rep.live + rep.pool_slack and rep.pool_slack >= 0
     assert rep.compression == pytest.approx(rep.fp16_equivalent / rep.live)
-    assert "compression" in str(rep)
+    assert rep.pages_total == sum(lay.pool.capacity for lay in cache.layers)
+    assert rep.pages_in_use == sum(lay.pool.pages_in_use for lay in cache.layers) > cache.layers[0].pool.pages_in_use
+    text = str(rep)
+    assert "compression" in text and f"{rep.allocated / (1 << 20):10.3f} MiB" in text  # MiB, 2**20 bytes
+    assert f"{rep.compression:10.2f} x" in text
 
 
 def test_memory_report_counts_shared_pages_once():

@@ -102,15 +102,26 @@ def test_decode_gqa_and_sliding_windows(grp, window):
 
 
 def test_decode_sinks_and_head_dims():
+    """Learned sinks with unequal lengths, equal lengths and one sequence (the path without a per-token mask)."""
     for d in (64, 128, 256):
         args = case([192, 32], [9, 3], d=d, grp=2)
         check_decode(args, sink_logits=torch.randn(args[0].shape[1], device=DEV))
+    for lengths, rls in (([192], [9]), ([64, 64], [3, 3])):
+        args = case(lengths, rls, grp=2)
+        check_decode(args, sink_logits=torch.randn(args[0].shape[1], device=DEV))
+
+
+@pytest.mark.parametrize("window", range(61, 68))
+def test_sliding_window_at_page_boundaries(window):
+    """Windows whose earliest visible key falls on the last slot of a page, the first of the next, or near them."""
+    check_decode(case([128], [1], grp=2), sliding_window=window)
+    check_decode(case([127, 128], [1, 5], grp=2), sliding_window=window)
 
 
 def test_decode_writes_the_step_token_like_the_reference():
     """Both ways of writing the step's token: a slice copy where every window has the same length (the cache's
-    steps), indexing otherwise (an empty window takes none)."""
-    for rls in ([9, 9], [9, 0]):
+    steps), indexing otherwise; an empty window takes none (every window empty: none written)."""
+    for rls in ([9, 9], [9, 0], [0, 0]):
         args = case([128, 64], rls, c=12)
         nk, nv = torch.randn(2, 2, 1, 64, device=DEV), torch.randn(2, 2, 1, 64, device=DEV)
         ra = [t.clone() if torch.is_tensor(t) else t for t in args]
@@ -119,7 +130,10 @@ def test_decode_writes_the_step_token_like_the_reference():
         assert rel_err(out, ref) < TOL[torch.float32]
         for i in (9, 10):  # the windows, NaN slots compared as equal
             assert torch.equal(args[i].nan_to_num(7.0), ra[i].nan_to_num(7.0))
-        assert torch.equal(args[9][0, :, 8], nk[0, :, 0])
+        if rls[0]:
+            assert torch.equal(args[9][0, :, 8], nk[0, :, 0])
+        else:
+            assert torch.isnan(args[9]).all()  # the poison stays: nothing was written
 
 
 def test_several_chunks_of_pages(monkeypatch):

@@ -81,6 +81,44 @@ def test_constant_groups_are_exact_and_finite(dtype):
         assert torch.isfinite(out).all() and torch.equal(out, k)
 
 
+@pytest.mark.parametrize("store", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantize_into_a_coarser_store_dtype(store, bits):
+    """fp32 data stored with fp16/bf16 scales and zero points (what ``quantize_and_write`` accepts): the zero point
+    rounds to the store dtype, possibly above the group's minimum, so codes must still be clamped to ``[0, qmax]``
+    (no uint8 wrap-around), scales are never negative, and the error stays within half a step plus the zero's
+    rounding. A group within the zero's rounding of a constant gets scale 0."""
+    qm = quant.qmax(bits)
+    c, s, z = quant.quantize_keys(torch.tensor([[1000.3], [1001.0]]), 4, 2, torch.float16)
+    assert c.flatten().tolist() == [0, 15]  # 1000.3 - zero (1000.5) is below zero: code 0, not a wrapped 250
+    c, s, z = quant.quantize_keys(torch.tensor([[1000.3], [1000.4]]), 4, 2, torch.float16)
+    assert s.item() == 0.0 and z.item() == 1000.5
+    x = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(bits)) * 0.3 + 1000.0
+    for fn, deq, dim in ((quant.quantize_keys, quant.dequantize_keys, -2),
+                         (quant.quantize_values, quant.dequantize_values, -1)):
+        codes, scale, zero = fn(x, bits, 32, store)
+        assert scale.dtype == zero.dtype == store and int(codes.max()) <= qm and (scale >= 0).all()
+        out = deq(codes, scale, zero, 32, torch.float32)
+        groups = x.unflatten(dim, (-1, 32))
+        below = (zero.float() - groups.amin(dim=dim if dim == -1 else -2)).clamp_min(0)  # zero above the minimum
+        expand = (lambda t: t.repeat_interleave(32, dim=-2)) if dim == -2 else (lambda t: t.repeat_interleave(32, -1))
+        bound = expand(scale.float()) / 2 + expand(below) + 1e-3
+        assert ((x - out).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sink_channels_carry_the_sink_to_fp32(dtype):
+    """A learned sink carried as a key on extra channels: ``hi + lo`` times ``sm_scale`` gives the sink to fp32
+    accuracy (``hi`` alone, rounded to fp16/bf16, would not), the other channels are zeros."""
+    sinks = torch.randn(9, generator=torch.Generator().manual_seed(1)) * 4
+    for sm_scale in (0.125, 1 / 96**0.5):
+        ch = ref.sink_channels(sinks, sm_scale, dtype)
+        assert ch.shape == (9, ref.SINK_CHANNELS) and ch.dtype == dtype and not ch[:, 2:].any()
+        err = ((ch[:, 0].float() + ch[:, 1].float()) * sm_scale - sinks).abs()
+        assert (err <= 1e-5 * sinks.abs().clamp_min(1)).all(), err.max()
+        assert ((ch[:, 0].float() * sm_scale - sinks).abs() > 1e-5 * sinks.abs().clamp_min(1)).any()
+
+
 def test_codes_use_full_range():
     x = torch.linspace(-1, 1, 32).repeat(1, 1, 64, 1).transpose(-1, -2).contiguous()  # [1,1,32,64]
     codes, _, _ = quant.quantize_keys(x, 4, 32)
