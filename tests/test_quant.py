@@ -100,9 +100,8 @@ def test_quantize_into_a_coarser_store_dtype(store, bits):
         assert scale.dtype == zero.dtype == store and int(codes.max()) <= qm and (scale >= 0).all()
         out = deq(codes, scale, zero, 32, torch.float32)
         groups = x.unflatten(dim, (-1, 32))
-        below = (zero.float() - groups.amin(dim=dim if dim == -1 else -2)).clamp_min(0)  # zero above the minimum
-        expand = (lambda t: t.repeat_interleave(32, dim=-2)) if dim == -2 else (lambda t: t.repeat_interleave(32, -1))
-        bound = expand(scale.float()) / 2 + expand(below) + 1e-3
+        below = (zero.float() - groups.amin(dim=dim)).clamp_min(0)  # how far the zero rounded above the minimum
+        bound = ((scale.float() / 2 + below).repeat_interleave(32, dim=dim)) + 1e-3
         assert ((x - out).abs() <= bound).all()
 
 
