@@ -26,11 +26,11 @@ WINDOWED = {
 }
 
 
-def _generate(model, ids, mask, cache, n=8):
+def _generate(model, ids, mask, cache, n=8, **kw):
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=n,
                              min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0)
+                             pad_token_id=0, **kw)
     return out.sequences, torch.stack(out.logits, 1)
 
 
@@ -662,9 +662,7 @@ def test_sliding_page_bound_is_tight(monkeypatch):
         model = T.MistralForCausalLM(T.MistralConfig(**dict(SMALL, num_hidden_layers=1), head_dim=32,
                                                      sliding_window=w)).eval()
         cache = QuantizedPagedCache(**paged)
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=150,
-                           min_new_tokens=150, do_sample=False, pad_token_id=0, num_beams=beams)
+        _generate(model, ids, mask, cache, n=150, num_beams=beams)
         assert cache.layers[0].sliding_window == w
         seqs = 2 * beams
         peaks[w, beams] = (max(peak.values()), seqs * cfg.sliding_pages_per_sequence(w, 159),
