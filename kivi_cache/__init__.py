@@ -8,6 +8,7 @@ from . import hook
 from .cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, QuantizedPagedCache
 from .compat import cache_arg_name, cache_kwargs
 from .config import QuantConfig
+from .layer import CacheUnusableError
 from .memory import MemoryReport
 from .ops import get_backend, kernel_error, set_backend
 from .prefill import prefill
@@ -22,6 +23,7 @@ __all__ = [
     "Int8PagedCache",
     "StaticQuantizedPagedCache",
     "QuantConfig",
+    "CacheUnusableError",
     "MemoryReport",
     "cache_arg_name",
     "cache_kwargs",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from transformers.cache_utils import Cache
@@ -10,7 +11,7 @@ from transformers.configuration_utils import PretrainedConfig
 
 from . import checks
 from .config import QuantConfig, _check_int
-from .layer import QuantizedPagedLayer
+from .layer import QuantizedPagedLayer, repeat_index
 from .memory import MemoryReport
 
 
@@ -105,6 +106,8 @@ class QuantizedPagedCache(Cache):
                 f"layers={len(self.layers)})")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if type(layer_idx) is not int or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an int >= 0 (the model layer's index), got {layer_idx!r}")
         if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
             checks.check_states(key_states, value_states)  # before any state changes
             self.quant_config.check_head_dim(key_states.shape[-1])
@@ -114,7 +117,71 @@ class QuantizedPagedCache(Cache):
             self.layers.append(QuantizedPagedLayer(own or self.quant_config))
             if self._record_past:
                 self.layers[-1].activate_past_recording()
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self._update_layer(layer_idx, key_states, value_states)
+
+    def _update_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        layer = self.layers[layer_idx]
+        try:
+            return layer.update(key_states, value_states)
+        except BaseException as exc:
+            # refused after earlier layers stored this forward's tokens: the layers now disagree on the length
+            if any(other.seen != layer.seen for other in self.layers if other.is_initialized):
+                self._mark_unusable(f"update of layer {layer_idx}", exc)
+            raise
+
+    # Cache-wide operations: every layer checks the arguments before any layer changes (transformers' Cache runs
+    # them layer by layer, so a refusal by a later layer would leave the earlier ones changed).
+    def _check_usable(self) -> None:
+        for layer in self.layers:
+            layer.check_usable()
+
+    def _mark_unusable(self, what: str, exc: BaseException) -> None:
+        for layer in self.layers:
+            layer.mark_unusable(what, exc)
+
+    def _change_all(self, what: str, changes) -> None:
+        """Run ``changes`` (one no-argument callable per layer, None: nothing to do) after every layer's checks
+        passed; a failure part way marks the whole cache unusable (its layers may now disagree)."""
+        try:
+            for change in changes:
+                if change is not None:
+                    change()
+        except BaseException as exc:
+            self._mark_unusable(what, exc)
+            raise
+
+    def _prepare(self) -> list:
+        """The initialized layers, usable and with their pending steps stored (those count in every length)."""
+        self._check_usable()
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        self._change_all("storing a step", [layer._flush_pending for layer in layers])
+        return layers
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens of every layer (``crop(-n)``: n tokens; see :meth:`QuantizedPagedLayer.crop`);
+        nothing changes if any layer refuses."""
+        layers = self._prepare()
+        removes = [layer.check_crop(tokens_to_remove) for layer in layers]
+        self._change_all("crop", [functools.partial(layer._crop, r) if r else None
+                                  for layer, r in zip(layers, removes, strict=True)])
+
+    def _select(self, index, name: str) -> None:
+        layers = self._prepare()
+        picks = [layer.check_index(index, name) for layer in layers]
+        self._change_all("selecting sequences", [functools.partial(layer._select, pick)
+                                                 for layer, pick in zip(layers, picks, strict=True)])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx, "beam_idx")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices, "indices")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        layers = self._prepare()
+        picks = [layer.check_index(repeat_index(layer.batch_size, repeats), "repeats") for layer in layers]
+        self._change_all("repeating sequences", [functools.partial(layer._select, pick)
+                                                 for layer, pick in zip(layers, picks, strict=True)])
 
     def activate_past_recording(self, **kwargs) -> None:
         """transformers calls it before assisted decoding, which crops rejected candidates after each step: the

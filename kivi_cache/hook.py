@@ -14,7 +14,8 @@ merge; where plain sdpa would run (the prompt, the fallback, a model given
 another cache) the sinks become one more key on extra channels
 (:func:`sdpa_with_sinks`), since sdpa itself has no such argument and would
 drop them. Cases it does not serve (soft-capping,
-dropout, attention weights, a layer whose ``config.layer_types`` entry is
+dropout, attention weights, a query that requires grad (the paged ops compute
+no gradients), a layer whose ``config.layer_types`` entry is
 neither full nor sliding attention such as Llama 4's chunked attention, a
 floating mask that carries an additive bias such as ALiBi, a sliding window on
 a layer already holding sink tokens once the sequence reaches the window) get
@@ -35,7 +36,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from . import reference
+from . import reference, static
 from .layer import _valid_tokens
 from .lazy import KVHandle
 
@@ -151,10 +152,9 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
     sinks = _sink_logits(kwargs)
     # a StaticQuantizedPagedCache bound to this model (an instance attribute it sets; a missing attribute through
     # nn.Module.__getattr__ costs an exception, ~1 us per layer and step)
-    static = getattr(module, "__dict__", _EMPTY).get("_kivi_static")
-    if static is not None:
-        layer = static.layers[module.layer_idx]
-        if layer.static and key is layer.res_k:
+    if getattr(module, "__dict__", _EMPTY).get("_kivi_static") is not None:
+        layer = static.bound_layer(module, key)
+        if layer is not None:
             window = _pattern(module, kwargs)[1]
             if window != layer.sliding_window:  # (the prompt's attention sets it: a constant when compiled)
                 raise ValueError(f"StaticQuantizedPagedCache: layer {module.layer_idx}'s sliding window is {window} "
@@ -209,7 +209,9 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
         # a layer that already holds sink tokens (the window was not known before it stored them): a shorter
         # timeline than the window is unaffected by it and read from the pages; a longer one takes the fallback
         served, window = key.shape[-2] < window, None
-    if not served or not _served(dropout, kwargs) or _mask_adds_bias(attention_mask):
+    # a query that requires grad (a forward with autograd on) gets sdpa over the materialized history: the paged
+    # ops compute no gradients
+    if not served or not _served(dropout, kwargs) or query.requires_grad or _mask_adds_bias(attention_mask):
         # in self-attention the mask says which new tokens are pads: not stored, as on the served path.
         # Cross-attention stores every encoder token: its mask's padding (often on the right) must keep the
         # positions the mask was built for

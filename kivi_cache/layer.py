@@ -26,6 +26,7 @@ is thus attended in full precision, as in KIVI.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import weakref
 
@@ -37,6 +38,12 @@ from . import checks, ops
 from .config import QuantConfig
 from .lazy import KVHandle, PendingStep
 from .pool import PagePool
+
+
+class CacheUnusableError(RuntimeError):
+    """An operation on the cache failed after it had started changing it (out of memory while the pool grew, a
+    kernel error while a step was stored): the cache refuses every later use until ``reset()``, instead of going on
+    from a half-changed state."""
 
 
 class QuantizedPagedLayer(CacheLayerMixin):
@@ -59,6 +66,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         # transformers' past recording (assisted decoding): a sliding-window layer then writes every token of a step
         # (no skipped pages), so that crop can take back any of the last step's tokens
         self.record_past = False
+        self.unusable: str | None = None  # why the layer refuses use until reset() (see CacheUnusableError)
         self._clear_sequences()
 
     def activate_past_recording(self, **kwargs) -> None:
@@ -179,7 +187,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.unusable is not None:
+            self.check_usable()
         checks.check_states(key_states, value_states)
+        if value_states.dtype != key_states.dtype:
+            raise ValueError(f"key_states ({key_states.dtype}) and value_states ({value_states.dtype}) must have one "
+                             f"dtype")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, n, d = key_states.shape
@@ -187,6 +200,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
             raise ValueError(
                 f"key/value states of shape {tuple(key_states.shape)}/{tuple(value_states.shape)} do not match "
                 f"the cache (batch {self.batch_size}, {self.num_heads} heads, head_dim {self.head_dim})")
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise ValueError(f"key/value states must have the dtype and device of the tokens stored ({self.dtype} on "
+                             f"{self.device}), got {key_states.dtype} on {key_states.device}: a cache holds one "
+                             f"model's states (reset() it, or make a new cache, for another dtype or device)")
         if self.pending is not None:
             self.commit(self.pending)  # the last step's attention never read its handles
         step = PendingStep(self, key_states, value_states)
@@ -205,15 +222,19 @@ class QuantizedPagedLayer(CacheLayerMixin):
             raise RuntimeError("kivi_cache: a stale key/value handle was used after a later cache update")
         step.done = True
         self.pending = None
-        k, v = step.key, step.value
-        if valid is None and k.shape[2] == 1:
-            return self._append_one(k, v, defer_write)
-        # the stored index of each sequence's first new token: the step's first query (a sliding-window layer keeps
-        # what it sees, so that crop may take the step's tokens back: assisted decoding's rejected candidates)
-        first = [q + r for q, r in zip(self.q_lens, self.r_lens, strict=True)] if self.sliding_window else None
-        self._append_chunk(k, v, valid)
-        if first is not None:
-            self._release_hidden_pages(first)
+        k, v = step_tensors(step)
+        try:
+            if valid is None and k.shape[2] == 1:
+                return self._append_one(k, v, defer_write)
+            # the stored index of each sequence's first new token: the step's first query (a sliding-window layer
+            # keeps what it sees, so that crop may take the step's tokens back: assisted decoding's rejected candidates)
+            first = [q + r for q, r in zip(self.q_lens, self.r_lens, strict=True)] if self.sliding_window else None
+            self._append_chunk(k, v, valid)
+            if first is not None:
+                self._release_hidden_pages(first)
+        except BaseException as exc:  # the step is counted (seen) but only partly stored
+            self.mark_unusable("storing a step", exc)
+            raise
         return False
 
     # ------------------------------------------------------- sliding window: pages no query can see again
@@ -535,16 +556,23 @@ class QuantizedPagedLayer(CacheLayerMixin):
         bits = self._bits
         if n == 1:
             deferred = self.commit(step, valid, defer_write=FUSE_WINDOW_WRITE)
-            bt, ql, rl = self._device_state()
-            pool = self.pool
-            run = pool.decode_runner  # plan once, run every step until the block table or window is replaced
-            if (run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k
-                    or run.sliding_window != window):
-                # KIVI_DECODE_RUNNER=0 (direct=False): the op's ordinary call every step (for A/B runs)
-                run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k, res_v=self.res_v,
-                                                            direct=DECODE_RUNNER, sliding_window=window, **bits)
-            if deferred:
-                return run(query.select(2, 0), rl, scaling, step.key, step.value, sink_logits).unsqueeze(1)
+            try:
+                bt, ql, rl = self._device_state()
+                pool = self.pool
+                run = pool.decode_runner  # plan once, run every step until the block table or window is replaced
+                if (run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k
+                        or run.sliding_window != window):
+                    # KIVI_DECODE_RUNNER=0 (direct=False): the op's ordinary call every step (for A/B runs)
+                    run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k,
+                                                                res_v=self.res_v, direct=DECODE_RUNNER,
+                                                                sliding_window=window, **bits)
+                if deferred:  # the op writes the step's token into the window (counted already by commit)
+                    k, v = step_tensors(step)
+                    return run(query.select(2, 0), rl, scaling, k, v, sink_logits).unsqueeze(1)
+            except BaseException as exc:
+                if deferred:
+                    self.mark_unusable("storing a step", exc)
+                raise
             return run(query.select(2, 0), rl, scaling, sink_logits=sink_logits).unsqueeze(1)
         if not any(self.q_lens) and not any(self.r_lens):
             # a prompt on an empty cache: plain full-precision attention over it
@@ -606,6 +634,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _full_precision(self, which: int):
         if not self.is_initialized:
             return None
+        self.check_usable()
         step = self.pending
         if step is None:
             return self._stored_layout(self.seen)[which]
@@ -660,6 +689,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     # ------------------------------------------------- sizes, as transformers asks
     def get_seq_length(self) -> int:
+        if self.unusable is not None:
+            self.check_usable()
         return self.seen
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
@@ -669,20 +700,40 @@ class QuantizedPagedLayer(CacheLayerMixin):
         return -1
 
     # ------------------------------------------------------- batch operations
+    # Each operation checks its arguments against the layer first (raising leaves the layer as it was), then
+    # changes it through _apply (a failure part way marks the layer unusable). The cache runs the checks of every
+    # layer before it changes any (QuantizedPagedCache.crop and the batch operations).
     def _flush_pending(self) -> None:
         if self.pending is not None:
             self.commit(self.pending)
 
-    def _select(self, index) -> None:
-        self._flush_pending()
-        if isinstance(index, torch.Tensor):
-            if index.dtype == torch.bool:
-                index = index.nonzero().squeeze(-1)
-            index = index.tolist()
-        index = [int(i) for i in index]
-        if any(i < 0 or i >= self.batch_size for i in index):
-            raise IndexError(f"batch index out of range for batch size {self.batch_size}: {index}")
+    def _apply(self, what: str, change, *args) -> None:
+        try:
+            change(*args)
+        except BaseException as exc:
+            self.mark_unusable(what, exc)
+            raise
+
+    def check_usable(self) -> None:
+        if self.unusable is not None:
+            raise CacheUnusableError(f"kivi_cache: this cache is unusable: {self.unusable}; call reset() (or make a "
+                                     f"new cache) before using it again")
+
+    def mark_unusable(self, what: str, exc: BaseException) -> None:
+        if self.unusable is None:
+            self.unusable = f"{what} failed part way ({type(exc).__name__}: {exc})"
+
+    def check_index(self, index, name: str) -> list[int]:
+        """``index`` (a 1-d integer tensor or sequence of ints in ``[0, batch)``, or a bool mask of the batch size) as
+        a list of ints; IndexError naming ``name`` for anything else."""
+        return batch_index(index, self.batch_size, name)
+
+    def _select(self, index: list[int]) -> None:
+        """Sequence ``i`` becomes the current sequence ``index[i]`` (checked by :meth:`check_index`)."""
         new_tables = [list(self.tables[i]) for i in index]
+        rows = torch.tensor(index, dtype=torch.long, device=self.device)
+        res_k = self.res_k.index_select(0, rows)  # allocations first: nothing changed yet if they fail
+        res_v = self.res_v.index_select(0, rows)
         for t in new_tables:
             self.pool.share(t)
         for t in self.tables:
@@ -693,48 +744,65 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.pads = [self.pads[i] for i in index]
         self.sinks = [self.sinks[i] for i in index]
         self.hidden = [self.hidden[i] for i in index]
-        rows = torch.tensor(index, dtype=torch.long, device=self.device)
-        self.res_k = self.res_k.index_select(0, rows)
-        self.res_v = self.res_v.index_select(0, rows)
+        self.res_k, self.res_v = res_k, res_v
         self.batch_size = len(index)
         self._length_rows = None
         self._dev = None
         self.pool.decode_runner = None  # it holds the old window
 
+    def select(self, index, name: str = "indices") -> None:
+        """Check ``index`` (:meth:`check_index`), then :meth:`_select` it."""
+        if not self.is_initialized:
+            return
+        self.check_usable()
+        self._flush_pending()
+        self._apply("selecting sequences", self._select, self.check_index(index, name))
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            self._select(beam_idx)
+        self.select(beam_idx, "beam_idx")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._select([i for i in range(self.batch_size) for _ in range(repeats)])
+            self.select(repeat_index(self.batch_size, repeats), "repeats")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._select(indices)
+        self.select(indices, "indices")
+
+    def check_crop(self, tokens_to_remove) -> int:
+        """The tokens ``crop(tokens_to_remove)`` removes (0: none), or ValueError if it cannot (a pending step must
+        be committed first: its tokens count)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+            raise ValueError(f"crop takes an int (-n: remove the n newest tokens; m > 0: keep the first m), got "
+                             f"{tokens_to_remove!r}")
+        if not self.is_initialized:
+            return 0
+        n = int(tokens_to_remove)
+        remove = min(-n if n <= 0 else max(0, self.seen - n), self.seen)
+        p, w = self.cfg.page_size, self.sliding_window
+        for i in range(self.batch_size):
+            kept = self.q_lens[i] + self.r_lens[i] - min(remove, self.q_lens[i] + self.r_lens[i])
+            # the next query (stored index kept) sees indices > kept - w
+            if remove and self.hidden[i] and self.hidden[i] * p > kept + 1 - w:
+                raise ValueError(
+                    f"crop({tokens_to_remove}) would bring tokens back into the sliding window ({w}) of a layer that "
+                    f"released their pages (sequence {i}: {self.hidden[i] * p} released, {kept} would stay); "
+                    f"crop by at most {self.q_lens[i] + self.r_lens[i] + 1 - self.hidden[i] * p - w} tokens here")
+        return remove
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest tokens: ``crop(-n)`` removes n; ``crop(m)`` with m > 0 keeps the first m (the older
         transformers' form); ``crop(0)`` removes nothing (transformers >= 5.24 calls it when assisted decoding
         accepted every candidate)."""
-        if not self.is_initialized:
-            return
+        self.check_usable()
         self._flush_pending()
-        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self.seen - tokens_to_remove)
-        remove = min(remove, self.seen)
-        if remove == 0:
-            return
+        remove = self.check_crop(tokens_to_remove)
+        if remove:
+            self._apply("crop", self._crop, remove)
+
+    def _crop(self, remove: int) -> None:
+        """Remove the ``remove`` newest tokens (checked by :meth:`check_crop`)."""
         cfg = self.cfg
         g, p = cfg.group_size, cfg.page_size
-        w = self.sliding_window
-        for i in range(self.batch_size):  # checked before anything changes
-            kept = self.q_lens[i] + self.r_lens[i] - min(remove, self.q_lens[i] + self.r_lens[i])
-            # the next query (stored index kept) sees indices > kept - w
-            if self.hidden[i] and self.hidden[i] * p > kept + 1 - w:
-                raise ValueError(
-                    f"crop({tokens_to_remove}) would bring tokens back into the sliding window ({w}) of a layer that "
-                    f"released their pages (sequence {i}: {self.hidden[i] * p} released, {kept} would stay); "
-                    f"crop by at most {self.q_lens[i] + self.r_lens[i] + 1 - self.hidden[i] * p - w} tokens here")
         for i in range(self.batch_size):
             q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
             drop = min(remove, q + r)  # newest first: window tokens, then pages, then sinks
@@ -768,6 +836,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 self.pool.release(t)
         self._clear_sequences()
         self.is_initialized = False
+        self.unusable = None
 
     def offload(self):
         raise NotImplementedError("kivi_cache does not support cache offloading")
@@ -878,3 +947,46 @@ def _chunk_visibility(mask, n: int, batch: int, device, window: int | None = Non
     m = mask[:, 0, -n:, -n:]
     m = m if mask.dtype == torch.bool else m > torch.finfo(mask.dtype).min / 2
     return m.expand(batch, n, n)
+
+
+def batch_index(index, batch: int, name: str) -> list[int]:
+    """A batch operation's ``index`` as a list of ints in ``[0, batch)``: a 1-d integer tensor, a sequence of ints, or
+    a bool mask of exactly ``batch`` entries (DynamicCache's index forms). IndexError naming ``name`` otherwise."""
+    if isinstance(index, torch.Tensor):
+        if index.dim() != 1:
+            raise IndexError(f"{name} must be a 1-d tensor (indices into the batch of {batch}, or a bool mask of "
+                             f"{batch}), got shape {list(index.shape)}")
+        if index.dtype == torch.bool:
+            if index.shape[0] != batch:
+                raise IndexError(f"{name} as a bool mask must have one entry per sequence ({batch}), got "
+                                 f"{index.shape[0]}")
+            index = index.nonzero().squeeze(-1)
+        elif index.is_floating_point() or index.is_complex():
+            raise IndexError(f"{name} must hold integer indices (or be a bool mask), got dtype {index.dtype}")
+        index = index.tolist()
+    elif not isinstance(index, (list, tuple, range)):
+        raise IndexError(f"{name} must be a 1-d integer tensor, a sequence of ints or a bool mask, got "
+                         f"{type(index).__name__}")
+    bad = [i for i in index if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+    if bad:
+        raise IndexError(f"{name} must hold ints, got {bad[0]!r}")
+    index = [int(i) for i in index]
+    if any(i < 0 or i >= batch for i in index):
+        raise IndexError(f"{name} must hold indices in [0, {batch}) (the batch size), got {index}")
+    return index
+
+
+def repeat_index(batch: int, repeats) -> list[int]:
+    """``batch_repeat_interleave(repeats)``'s selection: every sequence ``repeats`` times in a row."""
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    return [i for i in range(batch) for _ in range(int(repeats))]
+
+
+def step_tensors(step: PendingStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's keys and values as the cache stores them: without autograd history (a forward run with grad
+    enabled still attends through ``step.key``/``step.value``; the cache keeps data, not graphs)."""
+    k, v = step.key, step.value
+    if k.requires_grad or v.requires_grad:
+        return k.detach(), v.detach()
+    return k, v

@@ -117,6 +117,8 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         self.window_hint = window_hint
         self.ring: int | None = None  # static mode of a sliding-window layer: pages per sequence, reused in turn
         self._eager_widths: list[int] = []  # the tables' widths before _to_static extended them
+        self.materialized_prompt = False
+        self._kept: dict[str, torch.Tensor] = {}  # see _reuse
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -125,6 +127,9 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         super().lazy_initialization(key_states, value_states)
         self.static = self.decoding = self.materialized_prompt = False
         self.ring = None
+        # after reset(), the tensors a compiled step captured serve again where they fit (no recompilation)
+        self.res_k = self._reuse("res_k", self.res_k.zero_())
+        self.res_v = self._reuse("res_v", self.res_v.zero_())
         per_seq = self._pages_per_sequence()
         if self.window_hint:  # a sliding-window layer's sequence reuses a few pages (_to_static: the ring)
             per_seq = min(per_seq, ring_pages(self.cfg, self.window_hint))
@@ -178,15 +183,33 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                     table.append(self.pool.allocate())
         self._dev = None
         bt, ql, rl = self._device_state()
-        self.block_table, self.q_len, self.r_len = bt, ql.clone(), rl.clone()
-        self.sink_len = torch.tensor(self.sinks, dtype=torch.int32, device=self.device)
-        self.seen_t = torch.tensor(self.seen, device=self.device)
+        self.block_table, self.q_len, self.r_len = (self._reuse("block_table", bt), self._reuse("q_len", ql.clone()),
+                                                    self._reuse("r_len", rl.clone()))
+        self.sink_len = self._reuse("sink_len", torch.tensor(self.sinks, dtype=torch.int32, device=self.device))
+        self.seen_t = self._reuse("seen_t", torch.tensor(self.seen, device=self.device))
         self.host_seen = self.seen  # the same count on the host, for the eager check in _update_static
         self.static = True
         if not torch.compiler.is_compiling():
             for t in (*self.pool.args(), self.res_k, self.res_v, self.block_table, self.q_len, self.r_len,
                       self.sink_len, self.seen_t):
                 torch._dynamo.mark_static_address(t)
+
+    def _reuse(self, name: str, fresh: torch.Tensor) -> torch.Tensor:
+        """``fresh``'s values in the tensor this layer last used as ``name`` where it has the same shape, dtype and
+        device (the one a compiled step captured), else ``fresh``, kept for next time."""
+        kept = self._kept.get(name)
+        if kept is None or kept is fresh or (kept.shape, kept.dtype, kept.device) != (fresh.shape, fresh.dtype,
+                                                                                       fresh.device):
+            self._kept[name] = fresh
+            return fresh
+        return kept.copy_(fresh)
+
+    def reset(self) -> None:
+        """Empty the layer for a new generation (its pool and the tensors a compiled step captured are kept)."""
+        super().reset()
+        self.static = self.decoding = self.materialized_prompt = False
+        self.ring = None
+        self._eager_widths = []
 
     def _ring_pages(self, maxp: int) -> int | None:
         """Pages per sequence of a sliding-window layer's ring (None: full attention, or a ring no smaller than the
@@ -227,16 +250,29 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                 "for the prompt (attn_implementation other than 'sdpa'/'kivi', output_attentions, soft-capping or "
                 "attention sinks), which the static decode step cannot serve; load the model with "
                 "attn_implementation='sdpa' or use QuantizedPagedCache")
+        if self.unusable is not None:
+            self.check_usable()
         if not torch.compiler.is_compiling():  # eager: a clear error before anything is written
             if self.host_seen + 1 > self.max_cache_len:
                 raise ValueError(f"StaticQuantizedPagedCache: more tokens than max_cache_len={self.max_cache_len} "
                                  f"(prompt + new tokens); make the cache with a larger max_cache_len")
-            self.host_seen += 1
+            if (key_states.shape != value_states.shape or key_states.shape[:2] != self.res_k.shape[:2]
+                    or key_states.shape[3] != self.head_dim or key_states.dtype != self.dtype
+                    or value_states.dtype != self.dtype or key_states.device != self.device
+                    or value_states.device != self.device):
+                raise ValueError(f"key/value states must be [batch={self.batch_size}, heads={self.num_heads}, 1, "
+                                 f"head_dim={self.head_dim}] {self.dtype} on {self.device} (the stored tokens'), got "
+                                 f"{list(key_states.shape)} {key_states.dtype} on {key_states.device} and "
+                                 f"{list(value_states.shape)} {value_states.dtype} on {value_states.device}")
+        if key_states.requires_grad or value_states.requires_grad:  # the cache keeps data, not graphs
+            key_states, value_states = key_states.detach(), value_states.detach()
         self.decoding = True
         cfg, g = self.cfg, self.cfg.group_size
         torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.r_len,
                                               self.sink_len, self.q_len, self.block_table, *self.pool.args(),
                                               cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length)
+        if not torch.compiler.is_compiling():
+            self.host_seen += 1
         # the lengths as the op read them, advanced as it counted (kivi_cache.reference.append_and_flush)
         sinks = torch.where(self.sink_len < cfg.sink_length, self.sink_len + 1, self.sink_len)
         full = (self.r_len + 1 - sinks >= cfg.residual_length + g).int()
@@ -294,21 +330,25 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
             raise NotImplementedError(f"StaticQuantizedPagedCache does not support {what} after the prompt; "
                                       "use QuantizedPagedCache")
 
-    def reorder_cache(self, beam_idx):
-        """Beam search in static mode (generate runs it eagerly): sequence ``i`` takes the stored tokens of
-        ``beam_idx[i]``. Every sequence keeps its own fixed pages, so the parents' page contents are copied into
-        the children's pages (table entry by table entry, after one gather: a parent may also be a child), and the
-        windows and lengths follow by rows, all in place (the tensors the compiled step captured stay valid).
-        Beams of one prompt have equal lengths, so their tables' entries correspond; a reorder across sequences
-        whose zero-page entries differ (released tokens of a sliding layer) is refused."""
-        if not self.static:
-            return super().reorder_cache(beam_idx)
-        index = [int(i) for i in (beam_idx.tolist() if isinstance(beam_idx, torch.Tensor) else beam_idx)]
-        if len(index) != self.batch_size or any(i < 0 or i >= self.batch_size for i in index):
-            raise IndexError(f"beam_idx must hold {self.batch_size} indices in [0, {self.batch_size}) (beam search "
-                             f"keeps the batch size in static mode), got {index}")
-        if index == list(range(self.batch_size)):
-            return
+    def check_crop(self, tokens_to_remove) -> int:
+        self._unsupported("crop")
+        return super().check_crop(tokens_to_remove)
+
+    def check_index(self, index, name: str) -> list[int]:
+        """In static mode only beam search's reorder (``beam_idx``), which keeps the batch size."""
+        if name != "beam_idx":
+            self._unsupported("batch_select_indices" if name == "indices" else "batch_repeat_interleave")
+        pick = super().check_index(index, name)
+        if self.static:
+            if len(pick) != self.batch_size:
+                raise IndexError(f"beam_idx must hold {self.batch_size} indices in [0, {self.batch_size}) (beam "
+                                 f"search keeps the batch size in static mode), got {pick}")
+            self._beam_copies(pick)
+        return pick
+
+    def _beam_copies(self, index: list[int]) -> tuple[list[int], list[int]]:
+        """The pages a static-mode reorder copies (destinations, sources); ValueError where sequences' released
+        (zero-page) entries differ: only beams of one prompt correspond entry by entry."""
         zero, p = self.pool.zero, self.cfg.page_size
         used = [-(-q // p) for q in self.q_len.tolist()]  # entries holding stored tokens (beam search syncs anyway)
         dst, src, done = [], [], set()
@@ -324,6 +364,20 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                     done.add(d)
                     dst.append(d)
                     src.append(s)
+        return dst, src
+
+    def _select(self, index: list[int]) -> None:
+        """Beam search in static mode (generate runs it eagerly): sequence ``i`` takes the stored tokens of
+        ``index[i]``. Every sequence keeps its own fixed pages, so the parents' page contents are copied into
+        the children's pages (table entry by table entry, after one gather: a parent may also be a child), and the
+        windows and lengths follow by rows, all in place (the tensors the compiled step captured stay valid).
+        Beams of one prompt have equal lengths, so their tables' entries correspond; a reorder across sequences
+        whose zero-page entries differ (released tokens of a sliding layer) is refused by :meth:`check_index`."""
+        if not self.static:
+            return super()._select(index)
+        if index == list(range(self.batch_size)):
+            return
+        dst, src = self._beam_copies(index)
         if dst:
             d_t = torch.tensor(dst, dtype=torch.long, device=self.device)
             s_t = torch.tensor(src, dtype=torch.long, device=self.device)
@@ -334,18 +388,6 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
             t.copy_(t.index_select(0, rows))
         for name in ("q_lens", "r_lens", "pads", "sinks", "hidden"):
             setattr(self, name, [getattr(self, name)[i] for i in index])
-
-    def crop(self, tokens_to_remove):
-        self._unsupported("crop")
-        super().crop(tokens_to_remove)
-
-    def batch_select_indices(self, indices):
-        self._unsupported("batch_select_indices")
-        super().batch_select_indices(indices)
-
-    def batch_repeat_interleave(self, repeats):
-        self._unsupported("batch_repeat_interleave")
-        super().batch_repeat_interleave(repeats)
 
     def _full_precision(self, which: int):
         if not self.static:
@@ -400,7 +442,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         self._bound_modules: list[list] = [[] for _ in self.layers]
         for module in model.modules():
             if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
-                module._kivi_static = self  # the newest static cache of this model wins
+                bind(module, self)
                 bound += 1
                 if module.layer_idx < len(self.layers):
                     self._bound_modules[module.layer_idx].append(weakref.ref(module))
@@ -414,9 +456,13 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
                              f"{text.num_hidden_layers} layers; this model is not supported")
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if not torch.compiler.is_compiling():
-            self._bind(layer_idx)
-        return self.layers[layer_idx].update(key_states, value_states)
+        if torch.compiler.is_compiling():
+            return self.layers[layer_idx].update(key_states, value_states)
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be an int in [0, {len(self.layers)}) (the model's layers), got "
+                             f"{layer_idx!r}")
+        self._bind(layer_idx)
+        return self._update_layer(layer_idx, key_states, value_states)
 
     def _bind(self, layer_idx: int) -> None:
         """Bind the layer's attention modules to this cache (eager steps): the hook finds the static layer through
@@ -427,7 +473,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         for ref in self._bound_modules[layer_idx] if layer_idx < len(self._bound_modules) else ():
             module = ref()
             if module is not None and module.__dict__.get("_kivi_static") is not self:
-                module._kivi_static = self
+                bind(module, self)
 
     @property
     def is_compileable(self) -> bool:
@@ -435,3 +481,30 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
 
     def get_max_length(self) -> int:
         return self.layers[0].max_cache_len
+
+
+def bind(module, cache: StaticQuantizedPagedCache) -> None:
+    """Make ``cache`` the one the hook looks at first for ``module``'s static decode steps (``_kivi_static``: the
+    compiled step's guard), and one of those it searches when the step's key is not that cache's (``_kivi_statics``:
+    several static caches of one model in use at once, one per thread say)."""
+    module._kivi_static = cache
+    refs = [ref for ref in module.__dict__.get("_kivi_statics", ()) if ref() is not None and ref() is not cache]
+    module._kivi_statics = [*refs, weakref.ref(cache)]
+
+
+def bound_layer(module, key):
+    """The static-mode layer, among the static caches bound to ``module``, whose window ``key`` is (a static decode
+    step's update returned it), or None."""
+    d = module.__dict__
+    static = d.get("_kivi_static")
+    if static is None:
+        return None
+    layer = static.layers[module.layer_idx]
+    if layer.static and key is layer.res_k:
+        return layer
+    for ref in d.get("_kivi_statics", ()):
+        cache = ref()
+        layer = None if cache is None else cache.layers[module.layer_idx]
+        if layer is not None and layer.static and key is layer.res_k:
+            return layer
+    return None
