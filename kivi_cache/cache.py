@@ -242,7 +242,7 @@ INT4_PRESET = dict(key_bits=4, value_bits=4, group_size=32, residual_length=128,
 
 class Int4PagedCache(QuantizedPagedCache):
     """4-bit keys and values, group 32, residual 128 (KIVI's setting) plus 4 attention-sink tokens in full
-    precision. SmolLM2 streaming perplexity (eval/NOTES.md): +0.00% with the sinks, +0.14% without."""
+    precision (quality: docs and eval/perplexity.py)."""
 
     def __init__(self, **overrides):
         kw = dict(INT4_PRESET, **overrides)
@@ -253,10 +253,9 @@ class Int2PagedCache(QuantizedPagedCache):
     """The 2-bit memory class: 0.44 bytes per cached element (fp16: 2), spent as 4-bit keys and 2-bit
     values in groups of 64, residual 128, and 4 attention-sink tokens in full precision.
 
-    Measured on SmolLM2 (eval/NOTES.md): +0.58% perplexity, 94.9% top-1 agreement, needle 14/15; plain
-    KIVI-2 (2-bit keys and values, group 32, 0.375 bytes/element) gives +10.8% / 80.2% / 8 of 15, and
-    +3.3% / 87.9% / 10 of 15 with the sinks: retrieval needs the keys' precision. For the smallest cache
-    use ``QuantizedPagedCache(key_bits=2, value_bits=2, sink_length=4)``."""
+    Keys keep 4 bits because retrieval (the needle test) needs their precision far more than the values'
+    (perplexity and needle per setting: eval/perplexity.py, eval/needle.py). For the smallest cache use
+    ``QuantizedPagedCache(key_bits=2, value_bits=2, sink_length=4)`` (0.375 bytes per element)."""
 
     def __init__(self, **overrides):
         kw = dict(key_bits=4, value_bits=2, group_size=64, residual_length=128, sink_length=4)

@@ -96,11 +96,10 @@ class QuantConfig:
         more, partly hidden or partly filled; never more than a full-attention layer's :meth:`pages_per_sequence`.
         A flush takes a fresh page before the step's release
         (:meth:`~kivi_cache.layer.QuantizedPagedLayer._release_hidden_pages`) only when the older pages are full,
-        so it needs none beyond these (session 39 measured the peaks over windows of every phase, padded batches,
-        beam search and assisted decoding: none above this count; the earlier ``+ 2`` was one page too many). A
-        prompt stored at once or in chunks, or assisted decoding's candidates, keep what the chunk's first query
-        sees until the step's release, so that crop can take the chunk back: they may need more, and the pool
-        then grows."""
+        so it needs none beyond these (tests/test_families.py: the peak over windows of every phase, padded batches,
+        beam search and assisted decoding reaches this count and never exceeds it). A prompt stored at once or in
+        chunks, or assisted decoding's candidates, keep what the chunk's first query sees until the step's release,
+        so that crop can take the chunk back: they may need more, and the pool then grows."""
         _check_int("window", window, 1)
         full = replace(self, sink_length=0).pages_per_sequence(max_len)
         return min(full, -(-max(0, window - self.residual_length) // self.page_size) + 1)

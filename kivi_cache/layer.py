@@ -52,7 +52,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
     is_croppable = True
     # the device block table gets spare columns (-1) up to a power of two: a decode step's flush that starts a page
     # column writes it in place, so the table stays the same tensor and the layer's decode runner stays valid (a new
-    # table meant a new runner: an ordinary op call and a plan per layer every other flush, eval/NOTES.md session 14)
+    # table would mean a new runner: an ordinary op call and a plan per layer every other flush)
     SPARE_COLUMNS = True
 
     def __init__(self, cfg: QuantConfig):
@@ -157,8 +157,8 @@ class QuantizedPagedLayer(CacheLayerMixin):
 
     def _uniform_lengths(self, r: int) -> torch.Tensor:
         """``[B]`` int32 on the device, every entry ``r`` (0 <= r <= the window's capacity): a row of a constant
-        table shared by the layers (a view: no copy or launch; the decode step's window length grows this way
-        instead of by an in-place add, eval/NOTES.md session 12). Never written to."""
+        table shared by the layers (a view: the decode step's window length grows with no copy or launch). Never
+        written to."""
         rows = self._length_rows
         if rows is None:  # dropped whenever the batch changes (_clear_sequences, _select)
             cap = self.res_k.shape[2]
@@ -459,10 +459,10 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _reserve_one_group_each(self):
         """:meth:`_reserve` of one group for every sequence when all hold the same number of quantized tokens (the
         flush of a uniform batch: every decode step's flush): one page index and slot for all, new pages taken from
-        the pool in one slice; the same page ids as the per-sequence loop (892 sequences: ~2 ms of Python per layer
-        and flush before, eval/host_probe.py). Returns (pages, the slot, how the tables changed: "append" (a page each),
-        "same" or "cow" (a shared page replaced by a private copy)); None (nothing done) where the tables differ in
-        width."""
+        the pool in one slice; the same page ids as the per-sequence loop, without its per-sequence Python (which
+        costs milliseconds per layer and flush at hundreds of sequences). Returns (pages, the slot, how the tables
+        changed: "append" (a page each), "same" or "cow" (a shared page replaced by a private copy)); None (nothing
+        done) where the tables differ in width."""
         p, pool, tables = self.cfg.page_size, self.pool, self.tables
         q0, b = self.q_lens[0], self.batch_size
         j, slot = divmod(q0, p)
@@ -896,8 +896,8 @@ def query_len(query_length) -> int:
     return query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
 
 
-# A one-token step's window write done by the decode op itself (its new_k/new_v), not by two copies (H200, eager
-# batch 1 at 1k, in-process A/B: 23.8 -> 22.7 ms a step; eval/NOTES.md session 13); KIVI_DECODE_FUSE_WRITE=0: copies
+# A one-token step's window write done by the decode op itself (its new_k/new_v), not by two copies: two launches
+# fewer per layer in a host-bound eager step; KIVI_DECODE_FUSE_WRITE=0: copies
 FUSE_WINDOW_WRITE = os.environ.get("KIVI_DECODE_FUSE_WRITE", "1") != "0"
 # the decode op planned once per block table and run every step (ops.DecodeRunner: direct launches of the first call's
 # argument list); KIVI_DECODE_RUNNER=0: the op's ordinary call every step (read when a layer builds its runner)

@@ -73,8 +73,8 @@ class PagePool:
         """Grow by ``deficit`` pages, at least 1/8 of the capacity (and 16): a prefill that reserves its pages
         first gets them in one step (exactly them once it needs more than that minimum), small later steps
         amortize the copy that growing costs (the pool is one tensor per kind for the kernels: growing
-        concatenates). Doubling, as before, left up to half of a large pool unused -- memory a batch near
-        the budget could not use."""
+        concatenates). Doubling would leave up to half of a large pool unused -- memory a batch near the budget
+        could not use."""
         self._grow(self.capacity + max(deficit, self.capacity // 8, 16))
 
     def reserve(self, n: int) -> None:

@@ -2,11 +2,10 @@
 
 ``generate`` compiles the forward of every prompt chunk when the cache is compileable
 (:class:`~kivi_cache.StaticQuantizedPagedCache`; transformers 5.17's ``_prefill``). The chunks break their
-graphs into our eager prompt path, and under CUDA graphs each piece keeps its own memory pool: at 320
-sequences of 4k tokens on the H200 that held 2.6 GiB, enough to run out of an 80 GiB budget that the
-eager cache fits (``eval/results/bench_generate_static_mb_s10.json``). :func:`prefill` stores all but the
-last prompt token eagerly, in chunks; ``generate`` then runs the last token and compiles only the decode
-step::
+graphs into our eager prompt path, and under CUDA graphs each piece keeps its own memory pool: at hundreds of
+long sequences that is gigabytes, enough to run out of a memory budget that the eager cache fits. :func:`prefill`
+stores all but the last prompt token eagerly, in chunks; ``generate`` then runs the last token and compiles only the
+decode step::
 
     cache = StaticQuantizedPagedCache(model, max_cache_len=prompt_len + new_tokens)
     prefill(model, cache, ids, attention_mask=mask, chunk_size=512)

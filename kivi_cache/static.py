@@ -16,9 +16,9 @@ CUDA graphs) can capture it and ``generate`` compiles the decode step on its own
   ``kivi_cache::append_and_flush``), opaque to the compiler and captured whole by CUDA graphs; the decode op
   always merges the partial results in a second kernel (``merge=False``): the in-kernel merge's arrival counts,
   allocated by a first call, would come from the CUDA graphs' pool during inductor's warm-up and outlive it, which
-  the graphs' recording refuses (GPU, session 16);
+  the graphs' recording refuses;
 * attention finds its layer through the attention module it is called for (the cache binds
-  itself to the model's attention modules: one static cache per model at a time).
+  itself to the model's attention modules; several static caches of one model may be in use at once).
 
 Same stored values and attention as ``QuantizedPagedCache`` with the same settings (tested token for token),
 sliding windows included (the step's attention reads the window the prompt's attention learned; in static mode
@@ -30,13 +30,9 @@ several tokens per sequence after the first decode step (assisted decoding), gro
 A prompt may come in chunks (``generate(..., prefill_chunk_size=)``): each chunk is stored eagerly, also when the
 forward is compiled (generate compiles the chunks' forward too): the cache update and the attention of a step before
 the static mode are ``torch.compiler.disable``'d, so such a step breaks its graph once per layer into plain Python
-and dynamo never traces the bookkeeping. The compiled chunks still cost compile time and CUDA-graph memory (2.6 GiB
-at 320 sequences of 4k tokens): :func:`kivi_cache.prefill` stores the prompt without them. Measured on an H200
-(Llama-3-8B shape, ``generate`` compiling the step with inductor and CUDA graphs, session 18,
-``eval/bench_generate.py``): batch 1, 8.59 ms a decode step at 1k context and 9.23 ms at 32k, against 8.57 / 18.68
-ms for transformers' compiled ``StaticCache`` in the same runs (``eval/results/bench_generate_{b1,long}_s18.json``);
-at 320 sequences of 4k tokens 31.9 ms against 35.1 for the eager ``QuantizedPagedCache`` (session 17,
-``bench_generate_static_mb_s17.json``).
+and dynamo never traces the bookkeeping. The compiled chunks still cost compile time and CUDA-graph memory:
+:func:`kivi_cache.prefill` stores the prompt without them. Speed against transformers' compiled ``StaticCache``:
+the benchmarks' documentation.
 """
 
 from __future__ import annotations
