@@ -1,12 +1,13 @@
 """quantize_and_write: quantize N key/value groups and write them into their pages.
 
 One launch, grid ``(N, H, 2)``: program ``(n, h, 0)`` reads ``k[n, h]`` and program
-``(n, h, 1)`` ``v[n, h]`` (``[G, D]`` each; ``KIVI_QUANT_SPLIT=0``: one program does both), computes
-min/max in fp32; zero = min rounded to nearest in the storage dtype S, scale = (max - zero) / qmax rounded *up* in S
-(as :func:`kivi_cache.quant.round_up_to`), and computes the codes from the *rounded* values
-(``floor((x - zero) / scale + 0.5)``, IEEE division, clamped; scale 0 gives
-code 0), packs them (keys planar per token row, values per channel row along tokens: see
-:mod:`kivi_cache.quant`) and writes codes, scales and zeros at ``(pages[n], slots[n])``.
+``(n, h, 1)`` ``v[n, h]`` (``[G, D]`` each; ``KIVI_QUANT_SPLIT=0``: one program does both), and quantizes in fp32
+as :mod:`kivi_cache.quant` (the same bytes): values clamped to ``[-C, C]`` (``2**14`` for fp16 scales, ``2**126``
+else: every reconstruction stays finite); zero = min rounded to nearest in the storage dtype S, scale = (max - zero)
+/ qmax rounded *up* in S; a NaN or inf element makes its group's scale and zero NaN and its codes 0. Codes are
+computed from the *rounded* values (``floor((x - zero) / scale + 0.5)``, IEEE division, clamped; scale 0 gives
+code 0), packed (keys planar per token row, values per channel row along tokens: see
+:mod:`kivi_cache.quant`) and written with the scales and zeros at ``(pages[n], slots[n])``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def _round_up(r, SDT: tl.constexpr, BUMP: tl.constexpr):
 def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr, BUMP: tl.constexpr,
                    RECIP: tl.constexpr):
     """fp32 x quantized over AXIS -> (scale, zero) in SDT and int32 codes computed from the rounded values."""
-    zero = tl.min(x, axis=AXIS).to(SDT)
+    C: tl.constexpr = 2.0**14 if SDT == tl.float16 else 2.0**126  # kivi_cache.quant.range_bound(SDT)
+    poison = tl.sum(x - x, axis=AXIS)  # NaN where the group holds a NaN or an inf, else +0 (subtracted: no change)
+    x = tl.minimum(tl.maximum(x, -C), C)
+    zero = (tl.min(x, axis=AXIS) - poison).to(SDT)
     zf = zero.to(tl.float32)
     span = tl.maximum(tl.max(x, axis=AXIS) - zf, 0.0)
     if RECIP:  # torch on CUDA divides by a scalar as a multiply by its fp32 reciprocal
@@ -66,8 +70,9 @@ def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr,
     else:
         r = tl.math.div_rn(span, tl.full(span.shape, QMAX, tl.float32))
     scale = _round_up(r, SDT, BUMP)
+    scale = (scale.to(tl.float32) - poison).to(SDT)  # in fp32: the interpreter's bf16 arithmetic mishandles NaN
     s = tl.expand_dims(scale.to(tl.float32), AXIS)
-    pos = s > 0
+    pos = s > 0  # false for a NaN scale: code 0
     q = tl.math.div_rn(x - tl.expand_dims(zf, AXIS), tl.where(pos, s, 1.0))
     q = tl.where(pos, tl.floor(q + 0.5), 0.0)
     return scale, zero, tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)

@@ -11,16 +11,29 @@ round-to-nearest (``floor(x + 0.5)``), codes in ``[0, 2**bits - 1]``.
 ``x ~= code * scale + zero``. In order, with ``S`` the storage dtype of scales
 and zero points (the model's dtype) and all arithmetic in fp32:
 
-1. ``zero = min(group)`` rounded to nearest in S;
-2. ``scale = (max(group) - zero) / (2**bits - 1)`` rounded *up* in S (the
+1. the group is clamped to ``[-C, C]``, ``C =`` :func:`range_bound` ``(S)``: ``2**14`` for fp16, ``2**126`` for
+   bf16 and fp32 (a quarter or less of S's range), so that a group's span (at most ``2 C``), every code's
+   reconstruction and the fp16/bf16 decode kernel's folded zero point ``zero - 2**bits * scale`` (at most
+   ``C + 4/3 * 2 C`` in magnitude) are finite in S;
+2. ``zero = min(group)`` rounded to nearest in S;
+3. ``scale = (max(group) - zero) / (2**bits - 1)`` rounded *up* in S (the
    next representable value when the cast rounded down), so the largest
    element never needs a code above ``2**bits - 1``;
-3. ``code = clamp(floor((x - zero) / scale + 0.5), 0, 2**bits - 1)``, and
+4. ``code = clamp(floor((x - zero) / scale + 0.5), 0, 2**bits - 1)``, and
    ``code = 0`` where ``scale == 0``.
 
 So every element's round-trip error is at most half a step (``scale / 2``) of
 its group, plus the rounding of ``zero`` and of the output in S. A constant
 group has scale 0, codes 0, and dequantizes exactly to its value.
+
+Range: ``code * scale + zero`` lies within ``3 C`` of 0 (``C + 2 C`` rounded up) for every stored triple, so finite
+inputs dequantize to finite values in S at every bit width and on every backend. Finite elements beyond ``+-C``
+(fp16 magnitudes above 16384, which attention in fp16 could not use anyway, fp32 data stored with fp16 scales, or
+magnitudes above ``2**126``) saturate at ``+-C``.
+
+Non-finite inputs: an element that is NaN or +-inf makes its whole group NaN (scale and zero NaN, codes 0): for
+keys its channel's G tokens, for values its token's G channels; every other group is unaffected. The Triton
+kernels (:mod:`kernels.quantize`) store the same bytes.
 
 Packed layouts (shared with the kernels), ``n = 8 // bits`` codes per byte:
 
@@ -72,6 +85,12 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return chunks.reshape(*packed.shape[:-1], n * packed.shape[-1])
 
 
+def range_bound(dtype: torch.dtype) -> float:
+    """The clamp bound ``C`` of the module docstring for scales stored in ``dtype``: ``2**14`` for fp16, else
+    ``2**126`` (exact in every float dtype)."""
+    return 2.0**14 if dtype == torch.float16 else 2.0**126
+
+
 def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast non-negative fp32 ``x`` to ``dtype``, rounding up (never below ``x``)."""
     y = x.to(dtype)
@@ -85,12 +104,16 @@ def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _quantize(x: torch.Tensor, dim: int, bits: int, store_dtype: torch.dtype):
     """Quantize ``x`` with one (scale, zero) per slice along ``dim`` (reduced)."""
     xf = x.float()
-    zero = xf.amin(dim=dim, keepdim=True).to(store_dtype)
+    # x - x: NaN for a NaN or an inf, else +0, whose subtraction below leaves every value (a -0 too) as it is
+    poison = (xf - xf).sum(dim=dim, keepdim=True)
+    c = range_bound(store_dtype)
+    xf = xf.clamp(-c, c)
+    zero = (xf.amin(dim=dim, keepdim=True) - poison).to(store_dtype)
     z = zero.float()
     span = (xf.amax(dim=dim, keepdim=True) - z).clamp_(min=0)
-    scale = round_up_to(span / qmax(bits), store_dtype)
+    scale = (round_up_to(span / qmax(bits), store_dtype).float() - poison).to(store_dtype)
     s = scale.float()
-    q = torch.where(s > 0, torch.floor((xf - z) / torch.where(s > 0, s, 1.0) + 0.5), 0.0)
+    q = torch.where(s > 0, torch.floor((xf - z) / torch.where(s > 0, s, 1.0) + 0.5), 0.0)  # a NaN scale: code 0
     codes = q.clamp_(0, qmax(bits)).to(torch.uint8)
     return codes, scale.squeeze(dim), zero.squeeze(dim)
 

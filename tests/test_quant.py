@@ -1,6 +1,8 @@
 import pytest
 import torch
+from test_kernels import DEV, make_pool
 
+from kivi_cache import kernels as K
 from kivi_cache import quant
 from kivi_cache import reference as ref
 
@@ -103,6 +105,102 @@ def test_quantize_into_a_coarser_store_dtype(store, bits):
         below = (zero.float() - groups.amin(dim=dim)).clamp_min(0)  # how far the zero rounded above the minimum
         bound = ((scale.float() / 2 + below).repeat_interleave(32, dim=dim)) + 1e-3
         assert ((x - out).abs() <= bound).all()
+
+
+def _edge_groups(dtype, big, g=32, d=64):
+    """``[2, 2, G, D]`` random data with key channels and value tokens reaching +-big: spanning ``[-big, big]``,
+    from 0 up to big, near -big, and random in ``[0, big]``."""
+    x = torch.randn(2, 2, g, d, device=DEV) * 3
+    x[0, 0, :, 0] = big * (-1.0) ** torch.arange(g)
+    x[0, 0, :, 1] = big * torch.linspace(0, 1, g)
+    x[0, 1, :, 2] = -big * (1 - torch.rand(g) / 100)
+    x[0, 1, :, 3] = big * torch.rand(g)
+    x[1, 0, 4] = big * (-1.0) ** torch.arange(d)
+    x[1, 0, 5] = big * torch.linspace(-0.5, 1, d)
+    x[1, 1, 6] = big * torch.rand(d)
+    return x.to(dtype)
+
+
+def _roundtrips(x, bits, store=None, g=32):
+    """(dequantized, scale broadcast to the input) of ``x`` quantized as keys and as values (reference)."""
+    c, s, z = quant.quantize_keys(x, bits, g, store)
+    yield quant.dequantize_keys(c, s, z, g), s.repeat_interleave(g, dim=-2)
+    c, s, z = quant.quantize_values(x, bits, g, store)
+    yield quant.dequantize_values(c, s, z, g), s.repeat_interleave(g, dim=-1)
+
+
+@pytest.mark.parametrize("dtype,store,big", [(torch.float16, torch.float16, 65504.0),
+                                             (torch.float32, torch.float32, 3e38),
+                                             (torch.bfloat16, torch.bfloat16, 3e38),
+                                             (torch.float32, torch.float16, 1e6)])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_groups_past_the_range_bound_saturate_finite(dtype, store, big, bits):
+    """Groups reaching +-65504 in fp16 (the scale rounded up put the top code past 65504), spanning +-3e38 (max - min
+    overflows fp32), or fp32 data past fp16's range stored with fp16 scales: clamped to +-C (``quant.range_bound``
+    of the store dtype), then within half a step (+ roundings) of the clamped input; finite everywhere, and so is
+    the decode kernel's folded zero point ``zero - 2**bits * scale`` in the store dtype."""
+    bounds = [quant.range_bound(t) for t in (torch.float16, torch.bfloat16, torch.float32)]
+    assert bounds == [2.0**14, 2.0**126, 2.0**126]
+    x = _edge_groups(dtype, big)
+    c = quant.range_bound(store)
+    for deq, scale in _roundtrips(x, bits, store):
+        assert torch.isfinite(deq).all() and (deq.float().abs() <= 3 * c).all()
+        err, bound = _step_bound(x.float().clamp(-c, c), deq, scale, lambda s: s)
+        assert (err <= bound).all(), (err - bound).max()
+    for fn in (quant.quantize_keys, quant.quantize_values):
+        _, scale, zero = fn(x, bits, 32, store)
+        assert (zero.to(store) - scale.to(store) * 2**bits).isfinite().all()
+
+
+def _write_both(k, v, kb, vb, g=32):
+    """k, v ``[N, H, G, D]`` written into pages ``0 .. N - 1`` (one group a page) by the Triton kernel and by the
+    reference: asserts the two pools hold the same bytes (NaN where NaN); returns each pool's (k, v) as its own
+    backend dequantizes them (kernel first)."""
+    n, h, _, d = k.shape
+    base = tuple(t.fill_(float("nan")) if t.is_floating_point() else t
+                 for t in make_pool(n, h, g, d, g, kb, vb, k.dtype))
+    pages, slots = torch.arange(n, device=DEV), torch.zeros(n, dtype=torch.long, device=DEV)
+    bt, lengths = torch.arange(n, dtype=torch.int32, device=DEV)[:, None], torch.full((n,), g, device=DEV)
+    pools, out = [], []
+    for mod in (K, ref):
+        pools.append(tuple(t.clone() for t in base))
+        mod.quantize_and_write(k, v, pages, slots, *pools[-1], kb, vb, g)
+        out.append(mod.dequantize_pages(bt, lengths, *pools[-1], kb, vb, g))
+    for a, b in zip(*pools, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    return out
+
+
+@pytest.mark.parametrize("dtype,big", [(torch.float16, 65504.0), (torch.bfloat16, 3e38), (torch.float32, 3e38)])
+@pytest.mark.parametrize("kb,vb", [(2, 4), (8, 2), (4, 8)])
+def test_kernel_matches_reference_at_the_range_edges(dtype, big, kb, vb):
+    """The Triton quantize_and_write clamps as the reference: the same bytes, finite outputs."""
+    x = _edge_groups(dtype, big)
+    for deq_k, deq_v in _write_both(x, x.flip(2), kb, vb):
+        assert torch.isfinite(deq_k).all() and torch.isfinite(deq_v).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf - inf
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_non_finite_inputs_make_exactly_their_groups_nan_on_every_backend(dtype):
+    """A NaN or +-inf element makes its group NaN (keys: its channel's G tokens; values: its token's G channels),
+    in the reference and the Triton kernel alike; every other group stays finite."""
+    g = 32
+    x = torch.randn(2, 2, g, 64, device=DEV).to(dtype)
+    x[0, 0, 3, 5] = float("nan")
+    x[0, 1, 31, 40] = float("inf")
+    x[1, 0, 0, 63] = -float("inf")
+    x[1, 1, 10, 0] = float("nan")
+    x[1, 1, 10, 1] = float("inf")
+    bad = ~x.isfinite()
+    keys = bad.any(2, keepdim=True).expand_as(x)
+    values = bad.unflatten(-1, (-1, g)).any(-1, keepdim=True).expand(*x.shape[:-1], -1, g).flatten(-2)
+    for bits in (2, 4, 8):
+        for deq_k, deq_v in _write_both(x, x, bits, bits):
+            assert torch.equal(deq_k.isnan(), keys) and torch.equal(deq_v.isnan(), values)
+            assert deq_k[~keys].isfinite().all() and deq_v[~values].isfinite().all()
+        c, s, z = quant.quantize_keys(x, bits, g)
+        assert torch.equal(quant.dequantize_keys(c, s, z, g).isnan(), keys) and not c[keys].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
