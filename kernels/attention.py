@@ -1217,9 +1217,9 @@ class DecodeRunner:
     ordinary call of :func:`paged_decode_attention` (it plans, compiles and checks everything). Later runs with the
     same shapes, strides, dtypes, settings, stream and pointer alignment launch the compiled kernels directly with
     the first run's argument list, only the changing pointers replaced: no plan key, no checks of the fixed tensors.
-    Otherwise (a CUDA graph being captured, a profiler's launch hook, the interpreter, ``KIVI_FAST_LAUNCH=0``, a
-    change) a run is the ordinary call. The fixed tensors may be written to, not replaced or resized: build a new
-    runner then (the cache does, whenever its block table or pool tensors change).
+    Otherwise (a CUDA graph being captured, a profiler's launch hook, the interpreter, ``KIVI_FAST_LAUNCH=0``,
+    ``KIVI_CHECK_INDICES=1``, a change) a run is the ordinary call. The fixed tensors may be written to, not replaced
+    or resized: build a new runner then (the cache does, whenever its block table or pool tensors change).
     """
 
     def __init__(self, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
@@ -1302,8 +1302,9 @@ class DecodeRunner:
         """After an ordinary run: the compiled kernels and argument lists it used, when a direct launch can repeat
         it (else None: every run stays ordinary)."""
         index = _cuda_index(q)
-        if not _util.FAST_LAUNCH or interpreting() or index < 0 or torch.cuda.is_current_stream_capturing():
-            return None
+        if (not _util.FAST_LAUNCH or _util.CHECK_INDICES or interpreting() or index < 0
+                or torch.cuda.is_current_stream_capturing()):
+            return None  # (KIVI_CHECK_INDICES=1: the index values are checked by the ordinary call, on every run)
         bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
         nk3, nv3 = new_k, new_v
         if new_k is not None and new_k.dim() == 4:

@@ -191,7 +191,10 @@ def _append_flush_kernel(
     r = tl.load(rlen_ptr + b).to(tl.int32)
     s = tl.load(sink_ptr + b).to(tl.int32)
     s = tl.where(s < S, s + 1, s)  # a token arriving while the sinks are not all there is a sink
-    full = r + 1 - s >= R + G
+    q = tl.load(qlen_ptr + b).to(tl.int64)
+    # a sequence whose table has no column for the group writes nothing (no live page overwritten): the caller
+    # checks the column (kivi_cache.checks.check_flush) or guarantees it (the static cache's max_cache_len)
+    full = (r + 1 - s >= R + G) & (q // P < bt_width)
     d = tl.arange(0, D)
     if part == 0:
         src = nk_ptr + b64 * s_nkb + h * s_nkh
@@ -204,8 +207,7 @@ def _append_flush_kernel(
     tl.store(win + r * s_t + d, tl.load(src + d))
     if full:
         tl.debug_barrier()  # the token is in the window before any thread reads it (the group holds it when R = 0)
-        q = tl.load(qlen_ptr + b).to(tl.int64)
-        page = tl.load(bt_ptr + b64 * s_btb + tl.minimum(q // P, bt_width - 1)).to(tl.int64)
+        page = tl.load(bt_ptr + b64 * s_btb + q // P).to(tl.int64)
         slot = q % P
         t = tl.arange(0, G)[:, None]
         if part == 0:  # keys: per channel over the G tokens

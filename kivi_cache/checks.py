@@ -1,14 +1,39 @@
-"""Argument checks of the paged ops, shared by the torch reference and the Triton kernels.
+"""Argument checks of the paged ops, shared by the torch reference, the torch path and the Triton kernels.
 
 Every check raises ``ValueError`` naming the parameter and what it must be, before anything is written.
-Shapes, dtypes and devices are always checked (no device work). The *values* of the index tensors (pages and
-slots, lengths against the block table and the window) are checked where that costs no device sync: on tensors
-outside a GPU, or on a GPU with ``KIVI_CHECK_INDICES=1`` (one sync per call; for debugging). On a GPU without it
-the caller guarantees them (the cache does): out-of-range values there read or write out of bounds.
+Shapes, dtypes and devices are always checked (no device work), as are the scalars (bits, group size; ``sm_scale``
+finite and > 0, a tensor's value off a GPU only). The *values* of the index tensors are checked where that costs no
+device sync (:func:`values_checked`): on tensors outside a GPU, or on a GPU with ``KIVI_CHECK_INDICES=1`` (one sync
+per call; for debugging). On a GPU without it they are valid only by construction, as the cache builds them; another
+caller's out-of-range values there read or write out of bounds. Every index an op reads or writes through, its check
+and what builds it for the cache on a GPU:
+
+* ``quantize_and_write``: ``pages`` in ``[0, NP)``, ``slots`` multiples of G in ``[0, P)`` (:func:`check_write`).
+  Built by ``QuantizedPagedLayer._quantize``: pages of the layer's own tables (``PagePool.allocate``), slots from its
+  host lengths (``_reserve``).
+* ``dequantize_pages``: ``lengths`` in ``[0, W P]`` and the pages of each sequence's first ``ceil(lengths / P)``
+  columns of ``block_table`` in ``[0, NP)`` (:func:`check_tables`). Built by ``QuantizedPagedLayer._device_state``
+  (the host tables and lengths uploaded, ``-1`` past a sequence's pages).
+* ``paged_decode_attention``, ``paged_prefix_attention``: as ``dequantize_pages``, and ``res_lengths`` in ``[0, C]``
+  (:func:`check_attention`, :func:`attention_values`). Built by ``_device_state`` (the window lengths a row of
+  ``_uniform_lengths``' constant table, or uploaded).
+* ``append_and_flush``: as ``dequantize_pages``; ``res_lengths`` below the window's capacity; ``sink_lengths`` in
+  ``[0, sink_length]``; for a sequence that flushes, its column ``lengths // P`` inside the table, the page there an
+  id, the slot a multiple of G (:func:`check_flush`). Built by ``StaticQuantizedPagedLayer._to_static``: tables of
+  ``pages_per_sequence(max_cache_len)`` columns, which hold every flush while ``seen <= max_cache_len``, refused by
+  ``_update_static`` (eager) or asserted there (compiled: ``torch._assert_async``, after the step).
+* ``DecodeRunner``: the kernels' checks everything on its first run (the op's call), later direct launches nothing
+  (every run is the op's call with ``KIVI_CHECK_INDICES=1``); the cache's ``attend`` builds a new one when the block
+  table is replaced. The torch path's checks the values of the block table and lengths on its first run and again
+  after an in-place write to either (their ``_version``), ``res_lengths`` on every run.
+
+Within :class:`own_state` (the cache's own calls) the values are not checked on the host either: they are built as
+above.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import threading
@@ -89,11 +114,18 @@ def _is_int(x) -> bool:
 
 
 def check_sm_scale(sm_scale) -> None:
-    """The attention ops' softmax scale: a real number (or a one-element tensor)."""
+    """The attention ops' softmax scale: a finite real number > 0, or a one-element tensor of one (its value checked
+    off a GPU only: reading it there would sync; a Triton launch reads it anyway, the torch paths multiply by it)."""
     if isinstance(sm_scale, bool) or not (isinstance(sm_scale, numbers.Real) or (
             isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1)):
         raise ValueError(f"sm_scale must be a real number (the softmax scale, e.g. 1 / sqrt(head_dim)), got "
                          f"{sm_scale!r}")
+    if isinstance(sm_scale, torch.Tensor) and (sm_scale.is_cuda or sm_scale.is_meta):
+        return
+    x = float(sm_scale)
+    if not (math.isfinite(x) and x > 0):  # 0 or below gives a uniform or reversed softmax, nan or inf NaN outputs
+        raise ValueError(f"sm_scale must be a finite number > 0 (the softmax scale, e.g. 1 / sqrt(head_dim)), got "
+                         f"{x!r}")
 
 
 def values_checked(t: torch.Tensor) -> bool:
@@ -213,10 +245,12 @@ def check_window(bsz: int, h: int, d: int, res_k, res_v, res_lengths, values: bo
         window_values(res_lengths, c)
 
 
-def window_values(res_lengths, capacity: int) -> None:
-    """The by-value part of :func:`check_window`."""
+def window_values(res_lengths, capacity: int, listed: list | None = None) -> None:
+    """The by-value part of :func:`check_window`; ``listed``: ``res_lengths.tolist()`` where the caller has it
+    (checked then with no tensor operation)."""
     if res_lengths.numel() and values_checked(res_lengths):
-        if bool(((res_lengths < 0) | (res_lengths > capacity)).any()):
+        if (min(listed) < 0 or max(listed) > capacity) if listed is not None else bool(
+                ((res_lengths < 0) | (res_lengths > capacity)).any()):
             raise ValueError(f"res_lengths must be in [0, window capacity {capacity}], got {res_lengths.tolist()}")
 
 
@@ -320,8 +354,8 @@ def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, 
     """append_and_flush's arguments (shapes, dtypes, devices; values as in :func:`check_tables`): a window of capacity
     at least ``sink_length + residual_length + group_size``, written at ``res_lengths``, so those must be below its
     capacity; ``0 <= sink_lengths <= sink_length``; and for each sequence that flushes this step, the page it writes
-    (``block_table[b, lengths[b] // P]``, the column clamped to the table) a page id, at a slot ``lengths[b] % P``
-    that is a multiple of G."""
+    (``block_table[b, lengths[b] // P]``: that column must exist) a page id, at a slot ``lengths[b] % P`` that is a
+    multiple of G."""
     np_, h, p, d = check_pool(pool, key_bits, value_bits, group_size)
     bsz = check_tables(block_table, lengths, np_, p, device=pool[0].device)
     check_window(bsz, h, d, res_k, res_v, res_lengths, device=pool[0].device)
@@ -360,8 +394,14 @@ def check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, 
     if bool((full & (ln % group_size != 0)).any()):
         raise ValueError(f"lengths of the sequences that flush this step must be multiples of group_size={group_size} "
                          f"(the group goes to slot lengths % page_size), got {lengths[full].tolist()}")
-    col = (ln // p).clamp(max=block_table.shape[1] - 1)
-    page = block_table.long().gather(1, col[:, None])[:, 0]
+    col, width = ln // p, block_table.shape[1]
+    over = (full & (col >= width)).nonzero()
+    if over.numel():  # the last column instead would overwrite the sequence's own newest page
+        b = int(over[0, 0])
+        raise ValueError(f"block_table has no column for the group sequence {b} flushes this step: lengths[{b}] // "
+                         f"page_size = {int(col[b])} must be below the block_table width {width} (a flushing "
+                         f"sequence needs lengths < {width * p}), got lengths {lengths.tolist()}")
+    page = block_table.long().gather(1, col.clamp(max=width - 1)[:, None])[:, 0]  # (rows that do not flush: unused)
     bad = (full & ((page < 0) | (page >= np_))).nonzero()
     if bad.numel():
         b = int(bad[0, 0])

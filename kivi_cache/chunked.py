@@ -11,9 +11,10 @@ sequence's sliding window are not read. Arithmetic is fp32; the reference rounds
 scale dtype before attending, so the two agree to that rounding (in fp32 up to summation order).
 
 Same functions, signatures and argument checks as the reference (the other operations are the reference's own), and
-a :class:`DecodeRunner` like the kernels' (the fixed tensors checked once): what :mod:`kivi_cache.ops` runs where the
-Triton kernels do not (the CPU, a GPU without working kernels). On the SmolLM2 CPU decode step it takes about a third
-of the reference's time (``eval/cpu_step.py``, ``eval/NOTES.md`` session 33).
+a :class:`DecodeRunner` like the kernels' (the fixed tensors' shapes checked once, their index values again after an
+in-place write): what :mod:`kivi_cache.ops` runs where the Triton kernels do not (the CPU, a GPU without working
+kernels). On the SmolLM2 CPU decode step it takes about a third of the reference's time (``eval/cpu_step.py``,
+``eval/NOTES.md`` session 33).
 """
 
 from __future__ import annotations
@@ -322,8 +323,11 @@ class DecodeRunner:
     """:func:`paged_decode_attention` split into plan and run, as the kernels' :class:`kivi_cache.kernels.attention.
     DecodeRunner` is (the cache's layer between two changes of its block table). The first run with a given shape,
     dtype and device of what changes per step (``q``, ``res_lengths``, the step's token, the sink logits) is the
-    ordinary call, with all its checks; later ones skip the checks of the fixed tensors (the block table, lengths,
-    pool and window: they may be written to, not replaced or resized; build a new runner then)."""
+    ordinary call, with all its checks; later ones skip the checks of the fixed tensors' shapes (the block table,
+    lengths, pool and window: they may be written to, not replaced or resized; build a new runner then). The values of
+    the block table and lengths are checked again on the first run after an in-place write to either (their version
+    counter moved: the cache's flush advances the lengths so; inference tensors have none: every run), those of
+    ``res_lengths`` on every run."""
 
     def __init__(self, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
                  key_bits: int, value_bits: int, group_size: int, sliding_window: int | None = None):
@@ -332,6 +336,7 @@ class DecodeRunner:
         self.bits = (key_bits, value_bits, group_size)
         self.sliding_window = sliding_window
         self._checked: set = set()
+        self._versions = None  # (block table, lengths) versions whose values were last checked
         self.fast_runs = 0  # for tests
 
     def run(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
@@ -341,6 +346,12 @@ class DecodeRunner:
                     for t in (q, res_lengths, new_k, new_v, sink_logits))
         if key in self._checked:
             checks.check_sm_scale(sm_scale)
+            if checks.values_checked(ql):  # Python reads only: no tensor operation unless something changed
+                versions = _versions(bt, ql)
+                if versions is None or versions != self._versions:
+                    checks.table_values(bt, ql, kc.shape[0], kc.shape[2])
+                    self._versions = versions
+                checks.window_values(res_lengths, rk.shape[2], res_lengths.tolist())
             self.fast_runs += 1
             return _decode(q, bt, ql, (kc, ks, kz, vc, vs, vz), rk, rv, res_lengths, *self.bits, sm_scale, new_k,
                            new_v, self.sliding_window, sink_logits)
@@ -348,7 +359,14 @@ class DecodeRunner:
                                      new_k=new_k, new_v=new_v, sliding_window=self.sliding_window,
                                      sink_logits=sink_logits)
         self._checked.add(key)
+        self._versions = _versions(bt, ql) if checks.values_checked(ql) else None
         return out
+
+
+def _versions(*tensors) -> tuple | None:
+    """The tensors' version counters (every in-place write moves them); None where one is an inference tensor (made
+    under ``torch.inference_mode``), which keeps none: its values are then checked on every run."""
+    return None if any(t.is_inference() for t in tensors) else tuple(t._version for t in tensors)
 
 
 def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,

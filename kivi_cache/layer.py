@@ -565,7 +565,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
                     # KIVI_DECODE_RUNNER=0 (direct=False): the op's ordinary call every step (for A/B runs)
                     run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k,
                                                                 res_v=self.res_v, direct=DECODE_RUNNER,
-                                                                sliding_window=window, **bits)
+                                                                sliding_window=window, own=True, **bits)
                 if deferred:  # the op writes the step's token into the window (counted already by commit)
                     k, v = step_tensors(step)
                     return run(query.select(2, 0), rl, scaling, k, v, sink_logits).unsqueeze(1)

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import chunked, reference
+from . import checks, chunked, reference
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
@@ -156,13 +156,16 @@ class DecodeRunner:
     again with new queries (plan once, run many: the cache's decode steps). The Triton kernels'
     :class:`~kivi_cache.kernels.attention.DecodeRunner` where they run on the current device (it launches the
     compiled kernels directly after a first ordinary call); where the torch path runs, its
-    :class:`~kivi_cache.chunked.DecodeRunner` (the fixed tensors' checks once); otherwise, and for a configuration the
-    kernels do not cover, the ordinary op (with its fallback to the torch path). ``direct=False``: always the ordinary
-    op. Build a new one when the state's tensors are replaced."""
+    :class:`~kivi_cache.chunked.DecodeRunner` (the fixed tensors' shapes checked once, the block table's and lengths'
+    values again after an in-place write to them); otherwise, and for a configuration the kernels do not cover, the
+    ordinary op (with its fallback to the torch path). ``direct=False``: always the ordinary op. ``own``: the caller
+    builds the index tensors itself (the cache), so the torch path does not check their values again
+    (:class:`kivi_cache.checks.own_state`). Build a new one when the state's tensors are replaced."""
 
     def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size,
-                 direct: bool = True, sliding_window: int | None = None):
+                 direct: bool = True, sliding_window: int | None = None, own: bool = False):
         self.block_table, self.lengths, self.pool, self.res_k, self.res_v = block_table, lengths, pool, res_k, res_v
+        self.own = own
         self.sliding_window = sliding_window
         self.bits = dict(key_bits=key_bits, value_bits=value_bits, group_size=group_size)
         dev = block_table.device
@@ -176,6 +179,9 @@ class DecodeRunner:
     def __call__(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
         k = self.kernel
         if k is not None and self.index is None:  # the torch path's runner
+            if self.own:
+                with checks.own_state():
+                    return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
             return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
         if k is not None and torch.cuda.current_device() == self.index:
             try:

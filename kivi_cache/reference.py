@@ -82,7 +82,7 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     2. the sinks count it if they are not all there: ``s = sink_lengths[b] + 1`` if below ``sink_length``;
     3. if the window is then full, ``res_lengths[b] + 1 - s >= R + G`` (``R = residual_length``, ``G =
        group_size``), its oldest group (window slots ``s .. s + G - 1``) is quantized into page
-       ``block_table[b, lengths[b] // P]`` (the column clamped to the table) at slot ``lengths[b] % P``, and the R
+       ``block_table[b, lengths[b] // P]`` (a column the table must have) at slot ``lengths[b] % P``, and the R
        tokens after it move down to slots ``s .. s + R - 1``.
 
     The lengths are read, not written: the caller advances them (``res_lengths += 1 - G * full``, ``lengths += G *
@@ -107,7 +107,7 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     if full.numel() == 0:
         return
     q = lengths.long()[full]
-    pages = block_table[full, (q // p).clamp(max=block_table.shape[1] - 1)]
+    pages = block_table[full, q // p]
     first = s[full]
     grp = first[:, None] + torch.arange(g, device=res_k.device)  # [N, G] window slots of each oldest group
     idx = grp[:, None, :, None].expand(-1, res_k.shape[1], -1, res_k.shape[3])

@@ -102,7 +102,7 @@ def ring_pages(cfg, window: int) -> int:
 class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     is_compileable = True
     is_croppable = False
-    SPARE_COLUMNS = False  # the static step indexes its table by position (clamped to its width): exact columns
+    SPARE_COLUMNS = False  # the static step's flush writes the column its length names: exact columns
 
     def __init__(self, cfg, max_cache_len: int, window_hint: int | None = None):
         super().__init__(cfg)

@@ -465,3 +465,140 @@ def test_own_state_skips_index_values_only_there(monkeypatch):
         raise RuntimeError
     with pytest.raises(ValueError, match="block_table entries"):
         checks.check_tables(bad_table, lengths, 3, P)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
+def test_append_and_flush_refuses_a_flush_past_the_block_table(backend):
+    """Sequence 0 (192 tokens, 3 pages, a 3-column table) flushes a group into column 192 // P = 3, which its table
+    lacks: refused by every backend ("auto" on the CPU: the torch path), nothing written. Writing into the last column
+    instead would replace 32 stored tokens of the sequence's own newest page, with no error."""
+    from kivi_cache import ops
+
+    a = flush_args(lengths=ints(192, 32), block_table=ints(0, 1, 3, 2, -1, -1).view(2, 3))
+    state = [*a["pool"], a["res_k"], a["res_v"]]
+    before = [t.clone() for t in state]
+
+    def flush(lengths):
+        ops.append_and_flush(a["new_k"], a["new_v"], a["res_k"], a["res_v"], a["res_lengths"], a["sink_lengths"],
+                             lengths, a["block_table"], *a["pool"], key_bits=4, value_bits=4, group_size=G,
+                             residual_length=8, sink_length=2)
+
+    ops.set_backend(backend)
+    try:
+        with pytest.raises(ValueError, match="block_table has no column .*sequence 0.*lengths\\[0\\] // page_size = 3 "
+                                             "must be below the block_table width 3"):
+            flush(a["lengths"])
+        assert unchanged(before, state), "written before the error"
+        flush(ints(160, 32))  # column 2 (page 3, slot 32): the table's last column, there to be written
+    finally:
+        ops.set_backend("auto")
+    assert not unchanged(before, state)
+
+
+BAD_SCALES = {"zero": 0.0, "negative": -1.0, "nan": float("nan"), "inf": float("inf"), "minus_inf": -float("inf"),
+              "tensor_zero": torch.tensor(0.0, device="cpu")}
+
+
+@pytest.mark.parametrize("mod", [K, "chunked", R], ids=["kernels", "chunked", "reference"])
+@pytest.mark.parametrize("case", list(BAD_SCALES))
+def test_attention_refuses_an_sm_scale_not_finite_and_positive(mod, case):
+    """sm_scale 0, negative, nan or inf (the kernels' output would be all NaN, the torch paths' finite garbage):
+    refused by the decode op (before writing the step's token), the prefix op and the runners (after a good first
+    run: the torch path's later runs skip the fixed tensors' checks)."""
+    from kivi_cache import chunked
+
+    mod = chunked if mod == "chunked" else mod
+    scale = BAD_SCALES[case]
+    a = decode_args()
+    head = (a["q"], a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"], a["res_lengths"])
+    new = torch.randn(2, 1, D).to(DT)
+    before = [a["res_k"].clone(), a["res_v"].clone()]
+    match = "sm_scale must be a finite number > 0"
+    with pytest.raises(ValueError, match=match):
+        mod.paged_decode_attention(*head, 4, 4, G, scale, new_k=new, new_v=new)
+    assert unchanged(before, [a["res_k"], a["res_v"]]), "the window was written before the error"
+    chunk = torch.randn(2, 1, 1, D).to(DT)
+    with pytest.raises(ValueError, match=match):
+        mod.paged_prefix_attention(a["q"][:, :, None], *head[1:], chunk, chunk, torch.ones(2, 1, 1, dtype=torch.bool),
+                                   4, 4, G, scale)
+    if mod is not R:
+        run = mod.DecodeRunner(*head[1:-1], 4, 4, G)
+        run.run(a["q"], a["res_lengths"], 0.125)
+        with pytest.raises(ValueError, match=match):
+            run.run(a["q"], a["res_lengths"], scale)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
+def test_ops_decode_runner_refuses_an_sm_scale_not_finite_and_positive(backend):
+    """kivi_cache.ops.DecodeRunner, whichever runner or op it holds, after a good first run."""
+    from kivi_cache import ops
+
+    a = decode_args()
+    ops.set_backend(backend)
+    try:
+        run = ops.DecodeRunner(a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"], res_v=a["res_v"],
+                               key_bits=4, value_bits=4, group_size=G)
+        run(a["q"], a["res_lengths"], 0.125)
+        for scale in BAD_SCALES.values():
+            with pytest.raises(ValueError, match="sm_scale must be a finite number > 0"):
+                run(a["q"], a["res_lengths"], scale)
+    finally:
+        ops.set_backend("auto")
+    run(a["q"], a["res_lengths"], torch.tensor(0.125, device="cpu"))  # a one-element tensor: its value checked
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_torch_path_runner_checks_its_table_again_after_an_in_place_write(monkeypatch, inference):
+    """The torch path's DecodeRunner checks its block table and lengths once, then again on the run after an in-place
+    write to either (their version counter; inference tensors keep none: every run), without an error for a valid
+    one (the cache's flush advances the lengths with add_); the window lengths on every run. Unchecked, an invalid
+    page id fails inside torch (IndexError), and a length past the table or a window length past the window's
+    capacity reads the wrong tokens."""
+    from kivi_cache import chunked
+
+    with torch.inference_mode(inference):
+        _runner_after_in_place_writes(monkeypatch, chunked)
+
+
+def _runner_after_in_place_writes(monkeypatch, chunked):
+    a = decode_args()
+    bt, ln, rl, q = a["block_table"], a["lengths"], a["res_lengths"], a["q"]
+    run = chunked.DecodeRunner(bt, ln, *a["pool"], a["res_k"], a["res_v"], 4, 4, G)
+    op = chunked.paged_decode_attention
+
+    def same_as_the_op():
+        out = run.run(q, rl, 0.125)
+        return torch.equal(out, op(q, bt, ln, *a["pool"], a["res_k"], a["res_v"], rl, 4, 4, G, 0.125))
+
+    assert same_as_the_op()
+    # every later run is the runner's own (no ordinary call, whose checks would see the values anyway)
+    monkeypatch.setattr(chunked, "paged_decode_attention", None)
+    ln.add_(32)  # [128, 64]: inside the table
+    assert same_as_the_op()
+    bt[0, 1] = 7  # page 7 of a 4-page pool
+    with pytest.raises(ValueError, match="block_table entries .* page ids in \\[0, 4\\)"):
+        run.run(q, rl, 0.125)
+    bt[0, 1] = 1
+    ln.add_(32)  # [160, 96]: past the 2-column table
+    with pytest.raises(ValueError, match="lengths must be in \\[0, block_table width 2"):
+        run.run(q, rl, 0.125)
+    ln.sub_(32)
+    assert same_as_the_op()
+    with pytest.raises(ValueError, match="res_lengths must be in \\[0, window capacity 8\\]"):
+        run.run(q, ints(3, 12), 0.125)
+    assert run.fast_runs == 2
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the kernels' direct launches run on a GPU only")
+def test_kernel_runner_checks_every_run_with_the_debug_switch():
+    """KIVI_CHECK_INDICES=1 (the fixture's setting on CUDA) checks the index values of every call: the kernels'
+    DecodeRunner then makes each run the op's ordinary call, so a length written in place past the table is refused
+    on the next run (a direct launch checks nothing and would read the next row's pages)."""
+    a = decode_args()
+    run = K.DecodeRunner(a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"], 4, 4, G)
+    run.run(a["q"], a["res_lengths"], 0.125)
+    run.run(a["q"], a["res_lengths"], 0.125)
+    a["lengths"][0] = 160  # column 2 of a 2-column table
+    with pytest.raises(ValueError, match="lengths must be in \\[0, block_table width 2"):
+        run.run(a["q"], a["res_lengths"], 0.125)
+    assert run.fast_runs == 0
