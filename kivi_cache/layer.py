@@ -38,6 +38,7 @@ from . import checks, ops
 from .config import QuantConfig
 from .lazy import KVHandle, PendingStep
 from .pool import PagePool
+from .window import capacity, window_append
 
 
 class CacheUnusableError(RuntimeError):
@@ -131,7 +132,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
         self.pads = [0] * b
         self.sinks = [0] * b
         self.hidden = [0] * b
-        cap = self.cfg.sink_length + self.cfg.residual_length + self.cfg.group_size
+        cap = capacity(self.cfg.sink_length, self.cfg.residual_length, self.cfg.group_size)
         self.res_k = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)
         self.res_v = torch.zeros_like(self.res_k)
         self.is_initialized = True
@@ -294,17 +295,17 @@ class QuantizedPagedLayer(CacheLayerMixin):
             self._dev = None
 
     def _append_one(self, k, v, defer_write: bool = False) -> bool:
-        r = self.r_lens
+        r, rule, b = self.r_lens, self._rule(), self.batch_size
         uniform = self._uniform()  # no padding so far: one window length and sink count for all
-        sink, limit, b = self.cfg.sink_length, self.cfg.residual_length + self.cfg.group_size, self.batch_size
         if uniform:  # O(1) list updates
-            s0 = self.sinks[0] + 1 if self.sinks[0] < sink else self.sinks[0]  # the first tokens become sinks
+            s0, c = window_append(r[0], self.sinks[0], 1, **rule)
             new_r, new_s = [r[0] + 1] * b, [s0] * b
-            full = list(range(b)) if r[0] + 1 - s0 >= limit else []
+            full = list(range(b)) if c else []
         else:
             new_r = [x + 1 for x in r]
-            new_s = [x + 1 if x < sink else x for x in self.sinks]
-            full = [i for i, x in enumerate(new_r) if x - new_s[i] >= limit]
+            steps = [window_append(x, s, 1, **rule) for x, s in zip(r, self.sinks, strict=True)]
+            new_s = [s for s, _ in steps]
+            full = [i for i, (_, c) in enumerate(steps) if c]
         deferred = defer_write and not full  # a flush reads the window: then it is written here first
         if not deferred:
             self._window_write(k, v, uniform or _all_equal(r))
@@ -336,10 +337,14 @@ class QuantizedPagedLayer(CacheLayerMixin):
         """Every sequence has the same window and sink lengths (no padding so far): bulk tensor ops apply."""
         return _all_equal(self.r_lens) and _all_equal(self.sinks)
 
-    def _flush_count(self, total: int, sinks: int) -> int:
-        """Tokens to quantize out of a window of ``total`` tokens (sinks included): whole groups beyond R."""
+    def _rule(self) -> dict:
+        """The window rule's settings (:func:`kivi_cache.window.window_append`) for this layer."""
         cfg = self.cfg
-        return max(0, (total - sinks - cfg.residual_length) // cfg.group_size * cfg.group_size)
+        return dict(sink_length=cfg.sink_length, residual_length=cfg.residual_length, group_size=cfg.group_size)
+
+    def _flush_count(self, total: int, sinks: int) -> int:
+        """Tokens to quantize out of a window of ``total`` tokens (``sinks`` of them sinks): whole groups beyond R."""
+        return window_append(total, sinks, 0, **self._rule())[1]
 
     def _flush_residual(self, seqs) -> None:
         if len(seqs) == self.batch_size and self._uniform():  # every window at once
@@ -387,13 +392,12 @@ class QuantizedPagedLayer(CacheLayerMixin):
         for res in (self.res_k[idx], self.res_v[idx]):
             res[..., s:r - c, :] = res[..., s + c:r, :].clone()
 
-    def _window_append(self, idx, r: int, nk, nv):
+    def _window_append(self, idx, r: int, s: int, nk, nv):
         """Append ``nk``/``nv`` (token axis -2) to the window of sequence ``idx`` (an int) or of the whole batch
-        (``slice(None)``, every window holding ``r`` tokens). Returns the new sink count, the new window
-        length and the groups to quantize (keys, values; token axis -2), or None."""
+        (``slice(None)``, every window holding ``r`` tokens, ``s`` of them sinks). Returns the new sink count, the new
+        window length and the groups to quantize (keys, values; token axis -2), or None."""
         total = r + nk.shape[-2]
-        s = min(self.cfg.sink_length, total)  # sinks are the sequence's first tokens: r == sinks until full
-        c = self._flush_count(total, s)
+        s, c = window_append(r, s, nk.shape[-2], **self._rule())
         rk, rv = self.res_k[idx], self.res_v[idx]  # views
         if c == 0:
             rk[..., r:total, :] = nk
@@ -412,7 +416,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
     def _append_chunk(self, k, v, valid) -> None:
         n_new = k.shape[2]
         if valid is None and self._uniform():  # the whole batch at once (a prompt or chunk without padding)
-            s, r, groups = self._window_append(slice(None), self.r_lens[0], k, v)
+            s, r, groups = self._window_append(slice(None), self.r_lens[0], self.sinks[0], k, v)
             if groups is not None:
                 groups = self._skip_hidden(range(self.batch_size), self.q_lens[0], r, groups)
             if groups is not None:
@@ -429,7 +433,7 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 keep = valid[i].nonzero().squeeze(-1)
                 nk, nv = k[i].index_select(1, keep), v[i].index_select(1, keep)
             self.pads[i] += n_new - nk.shape[1]
-            self.sinks[i], self.r_lens[i], groups = self._window_append(i, self.r_lens[i], nk, nv)
+            self.sinks[i], self.r_lens[i], groups = self._window_append(i, self.r_lens[i], self.sinks[i], nk, nv)
             if groups is not None:
                 groups = self._skip_hidden((i,), self.q_lens[i], self.r_lens[i], groups)
             if groups is not None:

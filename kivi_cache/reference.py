@@ -39,6 +39,7 @@ from .quant import (
     unpack,
     unpack_tokens,
 )
+from .window import window_append
 
 
 def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -81,7 +82,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
        ``res_k/res_v[b, :, res_lengths[b]]`` (``[B, H, capacity, D]``, capacity >= sinks + R + G);
     2. the sinks count it if they are not all there: ``s = sink_lengths[b] + 1`` if below ``sink_length``;
     3. if the window is then full, ``res_lengths[b] + 1 - s >= R + G`` (``R = residual_length``, ``G =
-       group_size``), its oldest group (window slots ``s .. s + G - 1``) is quantized into page
+       group_size``; the window rule, :func:`kivi_cache.window.window_append`), its oldest group (window slots
+       ``s .. s + G - 1``) is quantized into page
        ``block_table[b, lengths[b] // P]`` (a column the table must have) at slot ``lengths[b] % P``, and the R
        tokens after it move down to slots ``s .. s + R - 1``.
 
@@ -101,9 +103,9 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     r = res_lengths.long()
     res_k[rows, :, r] = new_k.to(res_k.dtype)
     res_v[rows, :, r] = new_v.to(res_v.dtype)
-    s = sink_lengths.long()
-    s = torch.where(s < sink_length, s + 1, s)
-    full = (r + 1 - s >= residual_length + g).nonzero()[:, 0]
+    s, flushed = window_append(r, sink_lengths.long(), 1, sink_length=sink_length, residual_length=residual_length,
+                               group_size=g)
+    full = flushed.nonzero()[:, 0]
     if full.numel() == 0:
         return
     q = lengths.long()[full]

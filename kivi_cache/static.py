@@ -45,6 +45,7 @@ from . import hook, ops
 from .cache import INT4_PRESET, QuantizedPagedCache
 from .config import _check_int
 from .layer import QuantizedPagedLayer, query_len
+from .window import window_append
 
 # ----------------------------------------------------------------------------- custom ops
 
@@ -269,12 +270,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                                               cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length)
         if not torch.compiler.is_compiling():
             self.host_seen += 1
-        # the lengths as the op read them, advanced as it counted (kivi_cache.reference.append_and_flush)
-        sinks = torch.where(self.sink_len < cfg.sink_length, self.sink_len + 1, self.sink_len)
-        full = (self.r_len + 1 - sinks >= cfg.residual_length + g).int()
+        # the lengths as the op read them, advanced by the window rule it follows
+        sinks, flushed = window_append(self.r_len, self.sink_len, 1, **self._rule())
         self.sink_len.copy_(sinks)
-        self.q_len.add_(g * full)
-        self.r_len.add_(1 - g * full)
+        self.q_len.add_(flushed)
+        self.r_len.add_(1 - flushed)
         self.seen_t.add_(1)
         if torch.compiler.is_compiling():  # no host check above: past max_cache_len a flush would find no page of
             # its own; fail (asynchronously: no host sync) instead of overwriting the sequence's last page
