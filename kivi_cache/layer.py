@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
 import weakref
 
 import numpy as np
@@ -566,7 +565,6 @@ class QuantizedPagedLayer(CacheLayerMixin):
                 run = pool.decode_runner  # plan once, run every step until the block table or window is replaced
                 if (run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k
                         or run.sliding_window != window):
-                    # KIVI_DECODE_RUNNER=0 (direct=False): the op's ordinary call every step (for A/B runs)
                     run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k,
                                                                 res_v=self.res_v, direct=DECODE_RUNNER,
                                                                 sliding_window=window, own=True, **bits)
@@ -901,11 +899,11 @@ def query_len(query_length) -> int:
 
 
 # A one-token step's window write done by the decode op itself (its new_k/new_v), not by two copies: two launches
-# fewer per layer in a host-bound eager step; KIVI_DECODE_FUSE_WRITE=0: copies
-FUSE_WINDOW_WRITE = os.environ.get("KIVI_DECODE_FUSE_WRITE", "1") != "0"
-# the decode op planned once per block table and run every step (ops.DecodeRunner: direct launches of the first call's
-# argument list); KIVI_DECODE_RUNNER=0: the op's ordinary call every step (read when a layer builds its runner)
-DECODE_RUNNER = os.environ.get("KIVI_DECODE_RUNNER", "1") != "0"
+# fewer per layer in a host-bound eager step. (Tests and benchmarks set it False to compare the two.)
+FUSE_WINDOW_WRITE = True
+# The decode op planned once per block table and run every step (ops.DecodeRunner: direct launches of the first call's
+# argument list); False: the op's ordinary call every step (for tests and benchmarks that compare the two).
+DECODE_RUNNER = True
 _LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> capacity + 1 views of [batch] int32, row r all r
 
 _LAST_VALID: list = [None, None, None]  # (weakref to the mask, key, result) of the last call

@@ -125,7 +125,7 @@ def test_residual_window_invariant_over_many_steps():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, padded):
-    """KIVI_DECODE_FUSE_WRITE: a one-token step without a flush leaves its window write to the decode op (new_k/new_v);
+    """layer.FUSE_WINDOW_WRITE: a one-token step without a flush leaves its window write to the decode op (new_k/new_v);
     a flush step writes first (the flush reads the window). Same logits and stored state as the two copies; every
     non-flush step deferred."""
     from kivi_cache import layer as L

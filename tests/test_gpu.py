@@ -365,7 +365,7 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, padded):
-    """The window write by the decode op (default; KIVI_DECODE_FUSE_WRITE=0: two copies): the split kernel's window
+    """The window write by the decode op (default; FUSE_WINDOW_WRITE False: two copies): the split kernel's window
     program stores the step's token before reading the
     window; the step logits and the stored windows equal those of the two torch copies, bit for bit."""
     from kivi_cache import layer as L

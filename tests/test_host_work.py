@@ -43,7 +43,7 @@ def _decode_step_ops(model, cache, prompt):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_an_eager_decode_step_dispatches_no_more_tensor_ops_than_the_dynamic_cache(monkeypatch, fuse):
-    monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)  # KIVI_DECODE_FUSE_WRITE: the op writes the window itself
+    monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)  # the op writes the window itself
     layers = 3
     model = tiny_llama(layers=layers)
     prompt = torch.randint(0, 100, (1, 300), generator=torch.Generator().manual_seed(0))
