@@ -12,6 +12,7 @@ from transformers.configuration_utils import PretrainedConfig
 from . import checks
 from .config import QuantConfig, _check_int
 from .layer import QuantizedPagedLayer, repeat_index
+from .masks import MaskReader
 from .memory import MemoryReport
 
 
@@ -89,6 +90,7 @@ class QuantizedPagedCache(Cache):
         self.quant_config = quant_config
         self._layer_configs: list = []  # per layer, where it differs from quant_config (sliding layers' pools)
         self._record_past = False  # activate_past_recording was called (layers made later record too)
+        self._masks = MaskReader()  # one per cache: its layers read each forward's mask once
         if config is not None:
             _check_model_config(config)
             if max_batch_size is not None:
@@ -114,7 +116,7 @@ class QuantizedPagedCache(Cache):
         while len(self.layers) <= layer_idx:
             i = len(self.layers)
             own = self._layer_configs[i] if i < len(self._layer_configs) else None
-            self.layers.append(QuantizedPagedLayer(own or self.quant_config))
+            self.layers.append(QuantizedPagedLayer(own or self.quant_config, self._masks))
             if self._record_past:
                 self.layers[-1].activate_past_recording()
         return self._update_layer(layer_idx, key_states, value_states)

@@ -30,14 +30,11 @@ it as plain Python); only a static cache's decode step is traced.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from . import reference, static
-from .layer import _valid_tokens
 from .lazy import KVHandle
 
 NAME = "kivi"
@@ -168,32 +165,6 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
     return _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
-_LAST_BIAS: list = [None, None, False]  # (weakref to the mask, key, answer) of the last floating mask
-
-
-def _mask_adds_bias(mask) -> bool:
-    """A floating mask holding values other than 0 and the masked-out minimum: an additive bias (Falcon's ALiBi
-    from transformers 5.25 on, or a user's 4-D mask), which the paged attention, reading only padding from the
-    mask, would drop. A bool mask (what transformers' sdpa mask function builds) cannot hold one and costs
-    nothing; a floating one is read back once per forward (every layer gets the same tensor: the answer is kept
-    for it while it is alive and unmodified)."""
-    if mask is None or mask.dtype == torch.bool or not mask.is_floating_point():
-        return False
-    try:
-        key = (id(mask), mask._version, mask.data_ptr(), tuple(mask.shape))
-    except RuntimeError:  # an inference-mode tensor has no version counter: no memo
-        key = None
-    ref, last_key, last = _LAST_BIAS
-    if key is not None and last_key == key and ref is not None and ref() is mask:
-        return last
-    bias = bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
-    try:
-        _LAST_BIAS[:] = [weakref.ref(mask), key, bias] if key is not None else [None, None, False]
-    except TypeError:  # a tensor subclass without weak references: no memo
-        _LAST_BIAS[:] = [None, None, False]
-    return bias
-
-
 @torch.compiler.disable
 def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
@@ -211,11 +182,12 @@ def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, 
         served, window = key.shape[-2] < window, None
     # a query that requires grad (a forward with autograd on) gets sdpa over the materialized history: the paged
     # ops compute no gradients
-    if not served or not _served(dropout, kwargs) or query.requires_grad or _mask_adds_bias(attention_mask):
+    if not served or not _served(dropout, kwargs) or query.requires_grad or step.layer.masks.adds_bias(attention_mask):
         # in self-attention the mask says which new tokens are pads: not stored, as on the served path.
         # Cross-attention stores every encoder token: its mask's padding (often on the right) must keep the
         # positions the mask was built for
-        valid = _valid_tokens(attention_mask, query.shape[2], step.layer.batch_size) if self_attention else None
+        valid = step.layer.masks.valid_tokens(attention_mask, query.shape[2], step.layer.batch_size) if (
+            self_attention) else None
         return sdpa(module, query, key.materialize(valid), value.materialize(valid), attention_mask,
                     dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:

@@ -44,7 +44,8 @@ import torch
 from . import hook, ops
 from .cache import INT4_PRESET, QuantizedPagedCache
 from .config import _check_int
-from .layer import QuantizedPagedLayer, query_len
+from .layer import QuantizedPagedLayer
+from .masks import query_len
 from .window import window_append
 
 # ----------------------------------------------------------------------------- custom ops
@@ -105,8 +106,8 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     is_croppable = False
     SPARE_COLUMNS = False  # the static step's flush writes the column its length names: exact columns
 
-    def __init__(self, cfg, max_cache_len: int, window_hint: int | None = None):
-        super().__init__(cfg)
+    def __init__(self, cfg, max_cache_len: int, window_hint: int | None = None, masks=None):
+        super().__init__(cfg, masks)
         self.max_cache_len = max_cache_len
         self.static = False
         self.decoding = False  # a one-token step ran in static mode: no more prompt chunks
@@ -430,7 +431,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         if impl not in ("sdpa", hook.NAME):
             raise ValueError(f"StaticQuantizedPagedCache needs attn_implementation 'sdpa' or '{hook.NAME}', got "
                              f"{impl!r}; load the model with attn_implementation='sdpa' or use QuantizedPagedCache")
-        self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len)
+        self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len, masks=self._masks)
                        for _ in range(text.num_hidden_layers)]
         bound = 0
         # each layer's attention modules (weak references: a deepcopy of the cache keeps them, not copies of the

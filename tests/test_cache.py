@@ -93,7 +93,7 @@ def test_stored_history_is_fake_quantized_original(kb, vb):
 
 def test_stored_layout_in_one_copy_equals_the_per_sequence_copies(monkeypatch):
     """The history eager attention reads (``_stored_layout``): without pads or released pages one concatenation of
-    sinks, quantized tokens and window (session 33) gives what the per-sequence copies into zeros give."""
+    sinks, quantized tokens and window gives what the per-sequence copies into zeros give."""
     from kivi_cache import layer as L
 
     model = tiny_llama(layers=1)
@@ -103,8 +103,8 @@ def test_stored_layout_in_one_copy_equals_the_per_sequence_copies(monkeypatch):
     assert layer.q_lens == [48, 48] and layer.sinks == [4, 4] and layer.r_lens == [22, 22]
     tail = (torch.randn(2, layer.num_heads, 3, layer.head_dim), torch.randn(2, layer.num_heads, 3, layer.head_dim))
     fast = layer._stored_layout(layer.seen)
-    fast_tail = layer._stored_layout(layer.seen, tail=tail)  # a chunk's tokens appended (session 34: one buffer)
-    monkeypatch.setattr(L, "_all_equal", lambda xs: False)  # the general path
+    fast_tail = layer._stored_layout(layer.seen, tail=tail)  # a chunk's tokens appended in the same buffer
+    monkeypatch.setattr(L, "all_equal", lambda xs: False)  # the general path
     slow = layer._stored_layout(layer.seen)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
     assert all(torch.equal(a, torch.cat([b, t], dim=2)) for a, b, t in zip(fast_tail, slow, tail, strict=True))
@@ -223,8 +223,8 @@ def test_prompt_and_decode_never_build_an_n_by_n_visibility(monkeypatch):
     from kivi_cache import layer as L
 
     built = []
-    real = L._chunk_visibility
-    monkeypatch.setattr(L, "_chunk_visibility", lambda *a: built.append(a[1]) or real(*a))
+    real = L.chunk_visibility
+    monkeypatch.setattr(L, "chunk_visibility", lambda *a: built.append(a[1]) or real(*a))
     model = tiny_qwen2()
     ids, mask = _left_pad([torch.randint(1, 128, (n,)).tolist() for n in (37, 70)])
     gen(model, ids, QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL), attention_mask=mask)
@@ -239,7 +239,9 @@ def test_prompt_and_decode_never_build_an_n_by_n_visibility(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
 def test_valid_tokens_reads_padding_from_bool_and_additive_masks(dtype):
-    from kivi_cache.layer import _chunk_visibility, _valid_tokens
+    from kivi_cache.masks import MaskReader, chunk_visibility
+
+    _valid_tokens, _chunk_visibility = MaskReader().valid_tokens, chunk_visibility
 
     real = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
     vis = torch.ones(5, 5, dtype=torch.bool).tril()[None] & real[:, None, :]
@@ -254,7 +256,7 @@ def test_padding_flags_are_read_back_once_per_forward_not_per_layer(monkeypatch)
     sync per layer and step on a GPU. Every layer of a forward gets the same mask tensor, so it is read once."""
     import sys
 
-    from kivi_cache import layer as L
+    from kivi_cache import masks as M
 
     reads = []
     real_any = torch.Tensor.any
@@ -262,7 +264,7 @@ def test_padding_flags_are_read_back_once_per_forward_not_per_layer(monkeypatch)
     def counting_any(self, *a, **k):
         # the caller's file from its frame: inspect.stack() built the context of every frame of the stack at each
         # Tensor.any call of generate (25 s of this test's 25.5 s)
-        if sys._getframe(1).f_code.co_filename == L.__file__:
+        if sys._getframe(1).f_code.co_filename == M.__file__:
             reads.append(1)
         return real_any(self, *a, **k)
 
@@ -276,8 +278,9 @@ def test_padding_flags_are_read_back_once_per_forward_not_per_layer(monkeypatch)
 
 
 def test_padding_flag_memo_follows_in_place_changes_of_the_mask():
-    from kivi_cache.layer import _valid_tokens
+    from kivi_cache.masks import MaskReader
 
+    _valid_tokens = MaskReader().valid_tokens
     mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
     assert _valid_tokens(mask, 1, 2) is None
     mask[1, 0, 0, -1] = False  # the same tensor, modified: not the remembered answer
@@ -819,7 +822,7 @@ def test_chunk_visibility_without_a_mask_is_the_causal_window(window):
     """A chunk of several tokens on a filled cache with no mask (a direct call; transformers passes one there): token
     i of the chunk sees token j iff j <= i and, with a window, i - j < window, as the float mask transformers builds
     (additive, finfo.min where hidden) says through the same function."""
-    from kivi_cache.layer import _chunk_visibility
+    from kivi_cache.masks import chunk_visibility as _chunk_visibility
 
     n, past = 7, 5
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
