@@ -13,8 +13,8 @@ scale dtype before attending, so the two agree to that rounding (in fp32 up to s
 Same functions, signatures and argument checks as the reference (the other operations are the reference's own), and
 a :class:`DecodeRunner` like the kernels' (the fixed tensors' shapes checked once, their index values again after an
 in-place write): what :mod:`kivi_cache.ops` runs where the Triton kernels do not (the CPU, a GPU without working
-kernels). On the SmolLM2 CPU decode step it takes about a third of the reference's time (``eval/cpu_step.py``,
-``eval/NOTES.md`` session 33).
+kernels). It never builds the dequantized history, which makes the CPU decode step several times cheaper than the
+reference's (``eval/cpu_step.py`` measures it).
 """
 
 from __future__ import annotations
