@@ -1,13 +1,16 @@
 """A/B timing of decode-kernel implementations in one process (GPU).
 
 Each implementation is a copy of the ``kernels`` package: ``--impl name=path/to/package_dir`` (the
-current ``kivi_cache.kernels`` is always ``cur``). Variants of ``cur`` run with environment settings
-(``--env name:KEY=VAL,KEY=VAL``); a copy can have settings too (``--impl name=dir:KEY=VAL,...``).
+current ``kivi_cache.kernels`` is always ``cur``). Variants of ``cur`` run under a tuning
+(``--tuning name:field=value,...``, :func:`kivi_cache.kernels.tuning.parse`: e.g. ``s32:step=32``,
+``nohint:vhint=0``); a copy can have settings too (``--impl name=dir:field=value,...``: its own tuning, or, for a
+copy from before ``kernels/tuning.py``, which read its settings from the environment, ``KEY=VAL`` variables set
+around its calls).
 For every shape and bit setting: fp16 SDPA (baseline, separate K and V
 tensors), then every implementation/variant, in ``--rounds`` alternating rounds (medians of do_bench
 medians); outputs are compared with ``cur`` (relative max error printed). Pools, bytes (codes, scales and
 zeros, residual, q/out, block table) and kernel arguments come from ``bench_kernels.py``. Usage:
-    python eval/ab_decode.py --impl main=eval/ab/kmain --env s32:KIVI_DECODE_STEP=32 --out ab.json
+    python eval/ab_decode.py --impl main=eval/ab/kmain --tuning s32:step=32 --out ab.json
 """
 
 import argparse
@@ -29,8 +32,10 @@ from graph_gap import Clocks, burst  # noqa: E402  (SM clock samples from nvidia
 from kivi_cache import kernels as cur  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--impl", action="append", default=[], help="name=package_dir[:KEY=VAL,...]")
-ap.add_argument("--env", action="append", default=[], help="name:KEY=VAL[,KEY=VAL] variant of cur")
+ap.add_argument("--impl", action="append", default=[], help="name=package_dir[:field=value,...] (its tuning; KEY=VAL "
+                "environment variables for a copy without kernels/tuning.py)")
+ap.add_argument("--tuning", action="append", default=[], help="name:field=value[,field=value] variant of cur "
+                "(kernels.tuning.parse: e.g. vhint=0,ksz=1; decode.warps=2)")
 ap.add_argument("--shapes", default="8x8x32768,32x8x32768,8x32x32768,1x8x131072,8x8x131072")
 ap.add_argument("--bits", default="4/4/32,2/2/32,4/2/64")
 ap.add_argument("--rounds", type=int, default=2)
@@ -59,9 +64,22 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def op_call(mod, a):
-    """A no-argument call of ``mod``'s decode op on the arguments ``a``."""
-    return lambda: mod.paged_decode_attention(*a)
+def op_call(mod, a, tuning=None):
+    """A no-argument call of ``mod``'s decode op on the arguments ``a`` (under ``tuning``'s decode settings)."""
+    if tuning is None:
+        return lambda: mod.paged_decode_attention(*a)
+    return lambda: mod.paged_decode_attention(*a, tuning=tuning.decode)
+
+
+def settings(mod, kv: str):
+    """``(tuning, environment)`` of an implementation: ``kv`` parsed by ``mod``'s own tuning module, or, for a copy
+    from before it (which read its settings from the environment), as ``KEY=VAL`` variables."""
+    if not kv:
+        return None, {}
+    own = getattr(mod, "tuning", None)
+    if own is not None and hasattr(own, "parse"):
+        return own.parse(kv), {}
+    return None, dict(x.split("=", 1) for x in kv.split(","))
 
 
 def load(name, path):
@@ -73,17 +91,18 @@ def load(name, path):
     return mod
 
 
-impls = [("cur", cur, {})]
+impls = [("cur", cur, None, {})]  # (name, package, tuning, environment)
 for spec_ in args.impl:
     n, p = spec_.split("=", 1)
-    p, _, kv = p.partition(":")  # name=dir[:KEY=VAL,...]: that copy run under those settings
-    impls.append((n, load("ab_" + n, p), dict(x.split("=", 1) for x in kv.split(",")) if kv else {}))
-for spec_ in args.env:
+    p, _, kv = p.partition(":")  # name=dir[:settings]: that copy run under those settings
+    mod = load("ab_" + n, p)
+    impls.append((n, mod, *settings(mod, kv)))
+for spec_ in args.tuning:
     n, kv = spec_.split(":", 1)
-    impls.append((n, cur, dict(x.split("=", 1) for x in kv.split(","))))
+    impls.append((n, cur, cur.tuning.parse(kv), {}))
 hot = [int(x) for x in args.hot.split(",") if x]
 for n_ in hot:
-    impls.append((f"hot{n_}", cur, {}))
+    impls.append((f"hot{n_}", cur, None, {}))
 
 dev, hq, d, page, res = "cuda", args.q_heads, args.head_dim, 64, 128
 rows = []
@@ -124,38 +143,39 @@ for shape in args.shapes.split(","):
         bt = pool["block_table"]  # hotN: same shape and lengths, every entry one of the first N pages (L2-resident)
         hot_pools = {f"hot{n_}": dict(pool, block_table=(torch.arange(bt.numel(), device=dev, dtype=torch.int32) % min(
             n_, pool["k_codes"].shape[0])).reshape(bt.shape)) for n_ in hot}
-        times = {n: [] for n, _, _ in impls}
+        times = {n: [] for n, *_ in impls}
         outs = {}
         op_args = {n: decode_args(hot_pools.get(n, pool), q[:, :, 0], rk, rv, rl, kb, vb, g, d ** -0.5)
-                   for n, _, _ in impls}  # the hot variants on their block tables
+                   for n, *_ in impls}  # the hot variants on their block tables
         for _ in range(args.rounds):
-            for n, mod, env in impls:
+            for n, mod, tun, env in impls:
                 try:
-                    with mock.patch.dict(os.environ, env):
-                        f = op_call(mod, op_args[n])
+                    with mock.patch.dict(os.environ, env):  # (env: only for a copy from before kernels/tuning.py)
+                        f = op_call(mod, op_args[n], tun)
                         outs[n] = f().float()
                         times[n].append(bench(f))
                 except Exception as e:  # noqa: BLE001
                     print(f"{shape} k{kb}v{vb}g{g} {n}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         bursts = {}
         if args.burst_ms:
-            for n, mod, env in impls:
+            for n, mod, tun, env in impls:
                 if not times[n]:
                     continue
                 with mock.patch.dict(os.environ, env):
                     calls = max(10, int(args.burst_ms / statistics.median(times[n])))
                     with Clocks() as clk:
-                        ms = burst(op_call(mod, op_args[n]), calls, cuda=dev == "cuda")
+                        ms = burst(op_call(mod, op_args[n], tun), calls, cuda=dev == "cuda")
                     bursts[n] = dict(burst_ms_per_call=ms, burst_calls=calls, **clk.summary())
         ref = outs.get("cur")
-        for n, _, env in impls:
+        for n, mod, tun, env in impls:
             if not times[n]:
                 continue
             t = statistics.median(times[n])
             err = (float((outs[n] - ref).abs().max() / ref.abs().max()) if ref is not None and n not in hot_pools
                    else float("nan"))  # the hot variant reads other pages: not comparable
-            r = dict(impl=n, env=env, dtype=args.dtype, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, context=ctx,
-                     key_bits=kb, value_bits=vb, group=g,
+            tuned = {} if tun is None else mod.tuning.overrides(tun)
+            r = dict(impl=n, tuning=tuned, env=env, dtype=args.dtype, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
+                     context=ctx, key_bits=kb, value_bits=vb, group=g,
                      ms=t, ms_rounds=times[n], sdpa_ms=t_sdpa, tbps=nbytes / t / 1e9, speedup=t_sdpa / t,
                      rel_err_vs_cur=err, bytes=nbytes, hot_pages=int(n[3:]) if n in hot_pools else None,
                      **bursts.get(n, {}))

@@ -47,6 +47,7 @@ import triton  # noqa: E402
 
 from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
+from kivi_cache.kernels import tuning as KT  # noqa: E402
 
 GB = 1e9
 
@@ -284,6 +285,9 @@ def parse_args(argv=None):
     ap.add_argument("--graph-below", type=float, default=0.3,
                     help="eager runs: also time as CUDA graphs every kernel whose eager time is below this many ms "
                          "(GPU time of the launch-bound small shapes, same run; 0 = off)")
+    ap.add_argument("--tuning", default="", metavar="FIELD=VALUE,...",
+                    help="run every kernel under these launch settings (kivi_cache.kernels.tuning.parse, e.g. "
+                         "vhint=0,quant.warps=8; set as the process's tuning.DEFAULT); default: the defaults")
     args = ap.parse_args(argv)
     if args.out is None:
         args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -293,6 +297,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.tuning:
+        KT.DEFAULT = KT.parse(args.tuning)  # the kernels' calls below (they pass no tuning) run under it
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
@@ -320,7 +326,7 @@ def main(argv=None):
 
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     log(f"machine: {machine}; torch {torch.__version__}; triton {triton.__version__}; "
-        f"interpreter={os.environ.get('TRITON_INTERPRET') == '1'}")
+        f"interpreter={KK.interpreting()}; tuning {KT.overrides(KT.DEFAULT) or 'default'}")
     bw = copy_bandwidth(device, quick)
     log(f"device-to-device copy bandwidth: {bw / 1e12:.3f} TB/s (bytes read + written)")
 
@@ -329,7 +335,7 @@ def main(argv=None):
     def save(complete: bool, **extra):  # after every row too: a run cut short keeps what it measured
         result = dict(machine=machine, torch=torch.__version__, triton=triton.__version__, quick=quick,
                       timing="cuda graph replay" if args.graph else "eager launches (do_bench)",
-                      interpreter=os.environ.get("TRITON_INTERPRET") == "1", complete=complete,
+                      interpreter=KK.interpreting(), tuning=KT.overrides(KT.DEFAULT), complete=complete,
                       copy_bandwidth_TBps=bw / 1e12, rows=rows,
                       bytes_note="int: codes + scales/zeros (fp16) + fp16 residual K/V + q/out + block table; "
                                  "fp16: K + V + q/out", **extra)

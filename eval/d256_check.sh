@@ -1,8 +1,8 @@
 # head_dim 256 on the H200 (never timed before session 32's plan): the default one-warp, 64-token-step build spills in
 # the paged loop under Triton 3.6 (4/4 g32 6, 2/2 g32 45, 4/2 g64 14 per step) and, at 4/4, its 43 KB of shared
 # memory per program leave 5 warps per SM. eval/results/sass_warps_d256_s32.json (CPU builds, eval/sass_warps_scan.py):
-# two-warp programs (KIVI_DECODE_WARPS=2) spill nowhere and keep 8 warps per SM at +38% (4/4), +40% (2/2), +30% (4/2)
-# SASS per step summed over the warps; 32-token steps (KIVI_DECODE_STEP=32) do not spill at one warp either (4/4 3184
+# two-warp programs (DecodeTuning.warps=2) spill nowhere and keep 8 warps per SM at +38% (4/4), +40% (2/2), +30% (4/2)
+# SASS per step summed over the warps; 32-token steps (DecodeTuning.step=32) do not spill at one warp either (4/4 3184
 # SASS per 64 tokens against 2700). Same-process A/B, CUDA graphs; outputs compared with the default.
 # Device command (no carry, ~5 minutes):  bash eval/d256_check.sh
 # Verdict (session 35, eval/results/ab_d256_s35.json, ab_d256_b_s35.json): the default (one warp, 64-token steps) is
@@ -11,7 +11,7 @@
 . eval/device_env.sh
 python3 -c "import triton; print('triton', triton.__version__)"
 timeout 330 python3 eval/ab_decode.py --graph --head-dim 256 --q-heads 16 --rounds 3 \
-    --env s32:KIVI_DECODE_STEP=32 --env w2:KIVI_DECODE_WARPS=2 --env w2s32:KIVI_DECODE_WARPS=2,KIVI_DECODE_STEP=32 \
+    --tuning s32:step=32 --tuning w2:warps=2 --tuning w2s32:warps=2,step=32 \
     --shapes 8x8x32768,1x8x131072 --bits 4/4/32,2/2/32,4/2/64 \
     --out "$OUT/ab_d256.json" > "$OUT/ab_d256.log" 2>&1; echo "d256 ab rc $?"
 grep -E " d256 " "$OUT/ab_d256.log"

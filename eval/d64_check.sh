@@ -7,12 +7,12 @@
 . eval/device_env.sh
 SHAPES=32x8x32768,8x8x32768,1x8x131072
 [ -n "${SKIP36:-}" ] || timeout 170 python3 eval/ab_decode.py --graph --head-dim 64 --shapes $SHAPES --bits 4/4/32,2/2/32 \
-    --env hint:KIVI_DECODE_VHINT=1 --env hint168:KIVI_DECODE_VHINT=1,KIVI_DECODE_MAXNREG=168 \
+    --tuning hint:vhint=1 --tuning hint168:vhint=1,maxnreg=168 \
     --out "$OUT/ab_d64_t36.json" > "$OUT/ab_d64_t36.log" 2>&1; echo "3.6 rc $?"
 [ -n "${SKIP36:-}" ] || grep -E " d64 " "$OUT/ab_d64_t36.log"  # SKIP36=1: the 3.9 half alone (session 30)
 [ -f .t39/triton39.tar.xz ] || exit 0
 carried_triton || exit 1
 timeout ${T39:-230} python3 eval/ab_decode.py --graph --head-dim 64 --shapes $SHAPES --bits 4/4/32,2/2/32 \
-    --env r168:KIVI_DECODE_MAXNREG=168 \
+    --tuning r168:maxnreg=168 \
     --out "$OUT/ab_d64_t39.json" > "$OUT/ab_d64_t39.log" 2>&1; echo "3.9 rc $?"
 grep -E " d64 " "$OUT/ab_d64_t39.log"

@@ -36,6 +36,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from eval import bench_generate as bg  # noqa: E402
 from kivi_cache import Int4PagedCache, cache_kwargs, ops  # noqa: E402
+from kivi_cache.kernels import tuning as T  # noqa: E402
 
 CACHES = {"fp16": DynamicCache, "kivi-int4": Int4PagedCache}
 
@@ -82,26 +83,25 @@ def decode(model, cache, ids, steps, dev, *, wait: bool, prof=None, on_step=None
 _DEFAULTS: dict = {}
 
 
-def set_variant(flags: str | None) -> None:
+def set_variant(flags: str | None, tuning: str = "") -> None:
     """``flags``: three 0/1 digits, (window write in the op, in-kernel merge, decode runner), set in this process
-    (what KIVI_DECODE_FUSE_WRITE, KIVI_DECODE_FUSE_MERGE and KIVI_DECODE_RUNNER set at start-up)."""
+    (the layer's FUSE_WINDOW_WRITE and DECODE_RUNNER, the kernels' default ``DecodeTuning.fuse_merge``); None: the
+    process's settings at start-up. ``tuning``: ``field=value,...`` (kernels.tuning.parse) on top, in the default
+    tuning the cache's kernel calls run under."""
     import kivi_cache.layer as L  # noqa: PLC0415
 
     if not _DEFAULTS:  # this process's settings at start-up
-        _DEFAULTS.update(write=L.FUSE_WINDOW_WRITE, merge=os.environ.get("KIVI_DECODE_FUSE_MERGE"),
-                         runner=L.DECODE_RUNNER)
+        _DEFAULTS.update(write=L.FUSE_WINDOW_WRITE, tuning=T.DEFAULT, runner=L.DECODE_RUNNER)
+    base = _DEFAULTS["tuning"]
     if flags is None:  # back to them
         L.FUSE_WINDOW_WRITE, L.DECODE_RUNNER = _DEFAULTS["write"], _DEFAULTS["runner"]
-        if _DEFAULTS["merge"] is None:
-            os.environ.pop("KIVI_DECODE_FUSE_MERGE", None)
-        else:
-            os.environ["KIVI_DECODE_FUSE_MERGE"] = _DEFAULTS["merge"]
-        return
-    if len(flags) != 3 or set(flags) - {"0", "1"}:
-        raise ValueError(f"variant flags must be three 0/1 digits (write, merge, runner); got {flags!r}")
-    L.FUSE_WINDOW_WRITE = flags[0] == "1"
-    os.environ["KIVI_DECODE_FUSE_MERGE"] = flags[1]
-    L.DECODE_RUNNER = flags[2] == "1"
+    else:
+        if len(flags) != 3 or set(flags) - {"0", "1"}:
+            raise ValueError(f"variant flags must be three 0/1 digits (write, merge, runner); got {flags!r}")
+        L.FUSE_WINDOW_WRITE = flags[0] == "1"
+        base = T.parse(f"fuse_merge={flags[1]}", base)
+        L.DECODE_RUNNER = flags[2] == "1"
+    T.DEFAULT = T.parse(tuning, base)
 
 
 def variants_ab(model, ids, args, dev) -> None:
@@ -113,23 +113,11 @@ def variants_ab(model, ids, args, dev) -> None:
     res = dict(args=vars(args), torch=torch.__version__, python=platform.python_version(),
                gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rounds=[])
 
-    set_env: dict = {}  # the environment a ``+NAME=VALUE`` variant changed (undone before the next variant)
-
     def make(name):
-        for k, v in set_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        set_env.clear()
         if name == "fp16":
             return DynamicCache()
-        name, *env = name.split("+")
-        set_variant(name.split(":")[1] if ":" in name else None)  # ``kivi``: the process's defaults
-        for item in env:  # e.g. kivi+KIVI_DECODE_MERGE_MAX=256 (a setting the kernels read per call)
-            k, v = item.split("=", 1)
-            set_env.setdefault(k, os.environ.get(k))
-            os.environ[k] = v
+        name, *tuned = name.split("+")  # e.g. kivi+merge_max=256: the default tuning with that field changed
+        set_variant(name.split(":")[1] if ":" in name else None, ",".join(tuned))  # ``kivi``: the process's defaults
         return Int4PagedCache()
 
     for name in names:  # warm-up: every variant's kernels compiled
@@ -326,8 +314,8 @@ def main():
                          "against the others")
     ap.add_argument("--variants", default=None, metavar="LIST",
                     help="comma-separated fp16 and kivi:WMR (0/1 digits: window write in the op, in-kernel merge, "
-                         "decode runner), each optionally +ENV=VALUE (settings read per call, e.g. "
-                         "kivi+KIVI_DECODE_MERGE_MAX=256): no-sync step medians of each in turn, in one process")
+                         "decode runner), each optionally +field=value (a kernels.tuning field in the default tuning, "
+                         "e.g. kivi+merge_max=256): no-sync step medians of each in turn, in one process")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bg.require_kernels("host_decode_probe")

@@ -1,5 +1,5 @@
 # KSZ (kernels/attention.py _ksz): 2/4-bit keys' scale and zero words in one load per step. Default
-# KIVI_DECODE_KSZ=auto since session 31: on at head_dim 64, at 128 for fp16, and (session 32) for bf16 at 128 under
+# DecodeTuning.ksz=auto since session 31: on at head_dim 64, at 128 for fp16, and (session 32) for bf16 at 128 under
 # Triton 3.6 only (those builds sit at the 255-register cap and spill a little with it: eval/results/
 # sass_ksz_bf16_s31.json; timed 0.7-7.7% faster under 3.6, neutral under 3.9: ab_ksz_bf16_d128{,_t39}_s32.json); off at
 # 256, where everything spills either way (sass_ksz_d256_s31.json). Session 31 measured the fp16 A/B (`ab`, Triton
@@ -19,26 +19,26 @@
 . eval/device_env.sh
 python3 -c "import triton; print('triton', triton.__version__)"
 if [ "${1:-ab}" = ab ]; then
-    timeout 200 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --env per_plane:KIVI_DECODE_KSZ=0 \
+    timeout 200 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --tuning per_plane:ksz=0 \
         --shapes 32x8x32768,8x8x32768,1x8x131072 --bits 2/2/32,4/2/64,4/4/32 \
         --out "$OUT/ab_ksz_d64.json" > "$OUT/ab_ksz_d64.log" 2>&1; echo "d64 ab rc $?"
     grep -E " d64 " "$OUT/ab_ksz_d64.log"
-    timeout 200 python3 eval/ab_decode.py --graph --rounds 3 --env per_plane:KIVI_DECODE_KSZ=0 \
+    timeout 200 python3 eval/ab_decode.py --graph --rounds 3 --tuning per_plane:ksz=0 \
         --shapes 32x8x32768,8x32x32768,1x8x131072 --bits 2/2/64,4/4/32 \
         --out "$OUT/ab_ksz_d128.json" > "$OUT/ab_ksz_d128.log" 2>&1; echo "d128 ab rc $?"
     grep -E " d128 " "$OUT/ab_ksz_d128.log"
 elif [ "$1" = bf16 ]; then
-    timeout 150 python3 eval/ab_decode.py --graph --dtype bf16 --head-dim 64 --rounds 3 --env per_plane:KIVI_DECODE_KSZ=0 \
+    timeout 150 python3 eval/ab_decode.py --graph --dtype bf16 --head-dim 64 --rounds 3 --tuning per_plane:ksz=0 \
         --shapes 32x8x32768,1x8x131072 --bits 2/2/32,4/4/32 \
         --out "$OUT/ab_ksz_bf16_d64.json" > "$OUT/ab_ksz_bf16_d64.log" 2>&1; echo "bf16 d64 ab rc $?"
     grep -E " d64 " "$OUT/ab_ksz_bf16_d64.log"
-    timeout 250 python3 eval/ab_decode.py --graph --dtype bf16 --rounds 3 --env ksz:KIVI_DECODE_KSZ=1 \
+    timeout 250 python3 eval/ab_decode.py --graph --dtype bf16 --rounds 3 --tuning ksz:ksz=1 \
         --shapes 32x8x32768,8x32x32768,1x8x131072 --bits 2/2/32,2/2/64,4/4/32 \
         --out "$OUT/ab_ksz_bf16_d128.json" > "$OUT/ab_ksz_bf16_d128.log" 2>&1; echo "bf16 d128 ab rc $?"
     grep -E " d128 " "$OUT/ab_ksz_bf16_d128.log"
 elif [ "$1" = vhint64 ]; then
-    timeout 300 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --env vh:KIVI_DECODE_VHINT=1 \
-        --env vh168:KIVI_DECODE_VHINT=1,KIVI_DECODE_MAXNREG=168 \
+    timeout 300 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --tuning vh:vhint=1 \
+        --tuning vh168:vhint=1,maxnreg=168 \
         --shapes 32x8x32768,8x8x32768,1x8x131072 --bits 2/2/32,2/4/32,4/2/32 \
         --out "$OUT/ab_vhint64_ksz.json" > "$OUT/ab_vhint64_ksz.log" 2>&1; echo "vhint64 ab rc $?"
     grep -E " d64 " "$OUT/ab_vhint64_ksz.log"
@@ -46,7 +46,7 @@ elif [ "$1" = s32 ]; then
     # session 32: VHINT at head_dim 64 with 64-token groups (3.6: 2/2 and 4/2 g64 builds drop to 8 warps per SM with it),
     # the uncompiled model-level GPU tests (3.6, session 32's defaults), then (carry [".t39"]) the bf16 head_dim 128
     # KSZ A/B under Triton 3.9, where 2/2 g32 spills 4 registers per step
-    timeout 110 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --env vh0:KIVI_DECODE_VHINT=0 \
+    timeout 110 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --tuning vh0:vhint=0 \
         --shapes 32x8x32768,1x8x131072 --bits 2/2/64,4/2/64 \
         --out "$OUT/ab_vhint64_g64.json" > "$OUT/ab_vhint64_g64.log" 2>&1; echo "vhint64 g64 ab rc $?"
     grep -E " d64 " "$OUT/ab_vhint64_g64.log"
@@ -55,7 +55,7 @@ elif [ "$1" = s32 ]; then
     grep -E "passed|failed|error" "$OUT/gpu_tests_model.log" | tail -3
     carried_triton || exit 1
     timeout 160 python3 eval/ab_decode.py --graph --dtype bf16 --rounds 3 \
-        --env ksz:KIVI_DECODE_KSZ=1 --shapes 32x8x32768,1x8x131072 --bits 2/2/32,2/2/64,4/4/32 \
+        --tuning ksz:ksz=1 --shapes 32x8x32768,1x8x131072 --bits 2/2/32,2/2/64,4/4/32 \
         --out "$OUT/ab_ksz_bf16_d128_t39.json" > "$OUT/ab_ksz_bf16_d128_t39.log" 2>&1; echo "bf16 d128 t39 ab rc $?"
     grep -E " d128 " "$OUT/ab_ksz_bf16_d128_t39.log"
 else

@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import decode_args, make_pool  # noqa: E402
 
 from kivi_cache import kernels as K  # noqa: E402
+from kivi_cache.kernels.tuning import DecodeTuning  # noqa: E402
 
-SETTINGS = {"merge_kernel": dict(KIVI_DECODE_FUSE_MERGE="0"), "in_kernel": dict(KIVI_DECODE_FUSE_MERGE="1",
-                                                                                KIVI_DECODE_MERGE_MAX="1024")}
+SETTINGS = {"merge_kernel": DecodeTuning(fuse_merge=False), "in_kernel": DecodeTuning(fuse_merge=True, merge_max=1024)}
 
 
 def main():
@@ -42,21 +42,18 @@ def main():
         rl = torch.full((b,), 100, device=dev, dtype=torch.int32)
         a = decode_args(pool, q, rk, rv, rl, 4, 4, 32, 0.088)
         outs = {}
-        for name, env in SETTINGS.items():
-            os.environ.update(env)
+        for name, tuning in SETTINGS.items():
             for _ in range(5):  # compiled, planned
-                outs[name] = K.paged_decode_attention(*a)
+                outs[name] = K.paged_decode_attention(*a, tuning=tuning)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.calls):
-                    K.paged_decode_attention(*a)
+                    K.paged_decode_attention(*a, tuning=tuning)
                 torch.cuda.synchronize()
             kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             by_name: dict = {}
             for e in kern:
                 by_name[e.name[:48]] = by_name.get(e.name[:48], 0.0) + e.time_range.elapsed_us() / args.calls
-            for k in env:
-                os.environ.pop(k)
             row = dict(shape=shape, setting=name, gpu_us_per_call=sum(by_name.values()),
                        kernels_per_call=len(kern) / args.calls, us_per_call_by_kernel=by_name)
             res["rows"].append(row)

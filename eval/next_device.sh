@@ -4,7 +4,7 @@
 #   1. clock: the L2-resident (hot32) and DRAM decode timings again, with back-to-back bursts under the SM clock
 #      and power sampler (ab_decode --burst-ms): is the 7-22% gap clock or memory?
 #   2. ncu: stall reasons and pipes of the 2- and 4-bit decode kernels, L2-resident against DRAM, 32 KV heads.
-#   3. ksz256: KIVI_DECODE_KSZ=1 at head_dim 256 for 4/2 g64 and 4/4 g32 (on by default only at 64 and 128).
+#   3. ksz256: DecodeTuning.ksz=1 at head_dim 256 for 4/2 g64 and 4/4 g32 (on by default only at 64 and 128).
 # Results under $OUT: ab_hot_clock.{json,log}, ncu_kv32_b{2,4}{,_hot}.txt, ab_ksz_d256.{json,log}.
 . eval/device_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -25,7 +25,7 @@ if [[ ,$steps, == *,ncu,* ]]; then
     grep -hE "^  ncu|Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Stall" "$OUT"/ncu_kv32_*.txt | head -40
 fi
 if [[ ,$steps, == *,ksz256,* ]]; then
-    timeout 170 python3 eval/ab_decode.py --graph --head-dim 256 --q-heads 16 --rounds 3 --env ksz1:KIVI_DECODE_KSZ=1 \
+    timeout 170 python3 eval/ab_decode.py --graph --head-dim 256 --q-heads 16 --rounds 3 --tuning ksz1:ksz=1 \
         --shapes 8x8x32768 --bits 4/2/64,4/4/32 --out "$OUT/ab_ksz_d256.json" > "$OUT/ab_ksz_d256.log" 2>&1
     echo "ksz256 rc $?"; tail -8 "$OUT/ab_ksz_d256.log"
 fi

@@ -12,7 +12,6 @@ Prints ms, effective TB/s over the bytes each variant must read, and saves JSON 
 import argparse
 import json
 import math
-import os
 
 import torch
 import triton
@@ -20,6 +19,7 @@ import triton.language as tl
 
 from kivi_cache import kernels as KK
 from kivi_cache.kernels.attention import decode_reduce
+from kivi_cache.kernels.tuning import DecodeTuning
 
 
 @triton.jit
@@ -139,21 +139,14 @@ def main():
             rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)
             rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
             nbytes = sum(x.numel() * x.element_size() for x in (kc, ks, ks, vc, vs, vs))
-            for name, kw, env in [(f"int{bits}", {}, {}), (f"int{bits}-plain-unpack", {"_plain": True}, {}),
-                                  (f"int{bits}-w2", {}, {"KIVI_DECODE_WARPS": "2"})]:
-                old = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
+            for name, kw in [(f"int{bits}", {}), (f"int{bits}-plain-unpack", {"_plain": True}),
+                             (f"int{bits}-w2", {"tuning": DecodeTuning(warps=2)})]:
                 try:
                     t = bench(lambda a=(q, bt2, l2, kc, ks, ks, vc, vs, vs, rk, rk, rl, bits, bits, g, 0.088), kw=kw:
                               KK.paged_decode_attention(*a, **kw))
                     rec(batch=b, context=ctx, variant=name, ms=t, tbps=nbytes / t / 1e9)
                 except Exception as e:  # noqa: BLE001
                     print(name, "failed:", e)
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             del kc, ks, vc, vs
     if args.out:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

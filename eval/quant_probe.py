@@ -1,7 +1,8 @@
 """A/B of quantize_and_write launch settings on the GPU (CUDA-graph timing, one flush per sequence).
 
-Variants by environment: ``KIVI_QUANT_SPLIT`` (1: keys and values in separate programs, grid (N, H, 2); 0: one
-program does both) and ``KIVI_QUANT_WARPS``. Each variant's output is checked against the torch reference.
+Variants are ``kernels.tuning.QuantTuning`` settings passed to the op: ``split`` (1: keys and values in separate
+programs, grid (N, H, 2); 0: one program does both) and ``warps``. Each variant's output is checked against the torch
+reference.
     python eval/quant_probe.py [--out quant_probe.json]
 """
 
@@ -21,6 +22,7 @@ from bench_kernels import graph_bench  # noqa: E402
 from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as R  # noqa: E402
 from kivi_cache.config import QuantConfig  # noqa: E402
+from kivi_cache.kernels.tuning import QuantTuning  # noqa: E402
 from kivi_cache.pool import PagePool  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -48,11 +50,12 @@ for shape in args.shapes.split(","):
     row = {"batch": b, "kv_heads": h}
     for spec in args.variants.split(","):
         name, split, warps = spec.split(":")
-        os.environ["KIVI_QUANT_SPLIT"], os.environ["KIVI_QUANT_WARPS"] = split, warps
+        tuning = QuantTuning(split=split != "0", warps=int(warps))
         got = pool()
-        KK.quantize_and_write(k, v, pages, slots, *got, kb, vb, g)
+        KK.quantize_and_write(k, v, pages, slots, *got, kb, vb, g, tuning=tuning)
         same = all(torch.equal(a, r) for a, r in zip(got, ref, strict=True))
-        ms = graph_bench(lambda a=(k, v, pages, slots, *got): KK.quantize_and_write(*a, kb, vb, g), rep=100)
+        ms = graph_bench(lambda a=(k, v, pages, slots, *got), t=tuning: KK.quantize_and_write(*a, kb, vb, g, tuning=t),
+                         rep=100)
         row[name] = {"ms": ms, "matches_reference": same}
         print(f"b{b} kv{h} {name}: {ms * 1000:.2f} us, matches reference: {same}", flush=True)
     rows.append(row)

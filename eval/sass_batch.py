@@ -4,7 +4,7 @@ Triton instead of one per build; tests/test_sass.py runs its builds this way).
     echo '[{"script": "decode", "args": ["KBITS=2"], "env": {"R": "128"}}]' | python eval/sass_batch.py
 
 Each job: ``script`` ("decode" or "quantize"), ``args`` (the KEY=VALUE arguments of that script), ``env``
-(variables set for this build only, e.g. ``R``, ``KIVI_DECODE_STAGES``; the rest is this process's environment).
+(variables set for this build only, e.g. ``R``, ``S``, ``W``; the rest is this process's environment).
 The last line printed is a JSON list with, per job in order, ``{"result": <the script's JSON summary>}`` or
 ``{"error": <traceback>}``; the scripts' reports go to stderr.
 """

@@ -5,11 +5,11 @@ inner loop inspected: instructions per step by opcode, registers, spills. This i
 kernel was tuned (1 warp, transposed MMAs, inline-PTX unpack) before spending device time.
 
     python eval/sass_decode.py [KEY=VALUE ...]   e.g. KBITS=2 VBITS=2 GP=4 G=32 D=128
-    env: W (warps, default 1), S (num_stages; default the paged loop's depth as the launch sets it:
-         KIVI_DECODE_STAGES or 5; the consts PSTAGES=/RSTAGES= override the loops' depths),
-         R (maxnreg, default KIVI_DECODE_MAXNREG or 0 = none; the kernel caps 32-token steps at 128, which this
-         script does not: pass R=128 there),
-         DUMP=prefix (write prefix.sass/.ptx/.ttgir)
+    The constexprs PSTAGES, RSTAGES, VHINT and KSZ default to what the launch sets with the default tuning
+    (kernels.tuning.DecodeTuning: 5 and 1 stages, the _vhint and _ksz policies); PSTAGES=3 builds 3 stages.
+    env (of this script): W (warps, default 1), S (num_stages; default PSTAGES, the paged loop's depth, as the
+         launch sets it), R (maxnreg, default 0 = none; the kernel caps 32-token steps at 128, which this script
+         does not: pass R=128 there), DUMP=prefix (write prefix.sass/.ptx/.ttgir)
     The last line printed is a JSON summary (used by tests/test_sass.py): spills = STL/LDL in the paged loop,
     spills_total = in the whole kernel, warps_per_sm = resident warps the registers allow (steps of 4 on sm_90:
     8 at 169-256 registers, 12 at 129-168, 16 at <= 128).
@@ -31,6 +31,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kivi_cache.kernels import _util, attention  # noqa: E402
+from kivi_cache.kernels.tuning import DecodeTuning  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {"q_ptr": "*fp16", "bt_ptr": "*i32", "len_ptr": "*i32", "kw_ptr": "*i32", "ks_ptr": "*fp16",
@@ -112,15 +113,15 @@ def summary(argv):
     const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
                  VASM=True, BF16=False, VW32=True)
     const.update({k: int(v) for k, v in (a.split("=") for a in argv)})
-    st = attention._stages(False)  # the launch's pipelining defaults (env KIVI_DECODE_STAGES / _RSTAGES)
+    st = attention._stages(False, DecodeTuning())  # the launch's pipelining defaults
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
-    # VHINT as the launch sets it
-    const.setdefault("VHINT", attention._vhint(const["D"], const["BLOCK"], const["KBITS"], const["VBITS"])["VHINT"])
-    const.setdefault("KSZ", attention._ksz(const["D"], const["KBITS"], bool(const["BF16"]))["KSZ"])  # and KSZ
+    # VHINT and KSZ as the launch sets them (their policies)
+    const.setdefault("VHINT", attention._vhint(const["D"], const["BLOCK"], const["KBITS"], const["VBITS"],
+                                               DecodeTuning())["VHINT"])
+    const.setdefault("KSZ", attention._ksz(const["D"], const["KBITS"], bool(const["BF16"]), DecodeTuning())["KSZ"])
     warps = int(os.environ.get("W", 1))
-    k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])),
-                       int(os.environ.get("R", os.environ.get("KIVI_DECODE_MAXNREG", 0))))
+    k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])), int(os.environ.get("R", 0)))
     res, sass = disassemble(k)
     if os.environ.get("DUMP"):  # env DUMP=prefix: write prefix.sass, prefix.ptx, prefix.ttgir
         for ext, key in (("sass", None), ("ptx", "ptx"), ("ttgir", "ttgir")):

@@ -1,5 +1,5 @@
 """Warps per decode program at head_dim 256 (session 32): sm_90 builds of the decode kernel (eval/sass_decode.py, on
-the CPU) with 1 warp (the default, ``KIVI_DECODE_WARPS``) and 2 or 4 warps per program, 64- and 32-token steps,
+the CPU) with 1 warp (the default, ``DecodeTuning.warps``) and 2 or 4 warps per program, 64- and 32-token steps,
 under the installed Triton and each Triton given with --triton DIR (a ``pip install --target DIR triton==X``).
 
 A one-warp program at head_dim 256 holds a [16, 256] fp32 accumulator (128 registers per lane) and spills in the

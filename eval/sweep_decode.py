@@ -1,19 +1,20 @@
 """Sweep the decode kernel's launch settings on a GPU (warps, stages, query-row padding, PTX unpack on/off).
 
 Prints one line per setting: time (median, do_bench), effective TB/s over the bytes the kernel
-must read, and speed-up over fp16 SDPA on the same shape (measured in the same run). Usage:
+must read, and speed-up over fp16 SDPA on the same shape (measured in the same run). Each setting is a
+``kernels.tuning.DecodeTuning`` passed to the op. Usage:
     python eval/sweep_decode.py [--out results.json] [--quick]
 """
 
 import argparse
 import itertools
 import json
-import os
 
 import torch
 import triton
 
 from kivi_cache import kernels as KK
+from kivi_cache.kernels.tuning import DecodeTuning
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=None)
@@ -50,11 +51,12 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
         rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
         nbytes = sum(t.numel() * t.element_size() for t in (kc, ks, ks, vc, vs, vs)) + 2 * b * hkv * 128 * d * 2
         for warps, stages, maxnreg, plain, step in SETTINGS:
-            os.environ.update(KIVI_DECODE_WARPS=str(warps), KIVI_DECODE_STAGES=str(stages),
-                              KIVI_DECODE_MAXNREG=str(maxnreg), KIVI_DECODE_STEP=str(step))
+            tuning = DecodeTuning(warps=warps, stages=stages, maxnreg=maxnreg, step=step)
             try:
                 args_ = (q[:, :, 0], bt, lens, kc, ks, ks, vc, vs, vs, rk, rk, rl, kb, vb, g, 0.088)
-                t = triton.testing.do_bench(lambda a=args_, plain=plain: KK.paged_decode_attention(*a, _plain=plain),
+                t = triton.testing.do_bench(
+                    lambda a=args_, plain=plain, tuning=tuning: KK.paged_decode_attention(*a, _plain=plain,
+                                                                                            tuning=tuning),
                     warmup=50, rep=300, return_mode="median")
             except Exception as e:  # noqa: BLE001
                 print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} "
@@ -69,8 +71,6 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
                   f"plain={plain}: {t:.4f} ms "
                   f"({r['tbps']:.2f} TB/s) sdpa {t_sdpa:.4f} ms -> {r['speedup']:.2f}x", flush=True)
         del kc, ks, vc, vs
-for k in ("WARPS", "STAGES", "MAXNREG", "STEP"):
-    os.environ.pop("KIVI_DECODE_" + k, None)
 for key in sorted({(r["batch"], r["context"], r["key_bits"], r["value_bits"]) for r in rows}):
     best = min((r for r in rows if (r["batch"], r["context"], r["key_bits"], r["value_bits"]) == key),
                key=lambda r: r["ms"])

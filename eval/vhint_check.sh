@@ -3,7 +3,7 @@
 # with it. Device command (no carry): bash eval/vhint_check.sh   (~8 minutes)
 . eval/device_env.sh
 python3 -c "import triton; print('triton', triton.__version__)"
-timeout 200 python3 eval/ab_decode.py --graph --rounds 3 --env nohint:KIVI_DECODE_VHINT=0 \
+timeout 200 python3 eval/ab_decode.py --graph --rounds 3 --tuning nohint:vhint=0 \
     --shapes 32x8x32768,8x32x32768,8x8x32768,1x8x131072 --bits 4/4/32,2/2/32,4/2/64 \
     --out "$OUT/ab_vhint.json" > "$OUT/ab_vhint.log" 2>&1; echo "ab rc $?"
 grep -E "cur:|nohint:" "$OUT/ab_vhint.log" | tail -24

@@ -5,7 +5,7 @@
 # Device command (no carry): bash eval/vhint_d64_check.sh   (~9 minutes)
 . eval/device_env.sh
 python3 -c "import triton; print('triton', triton.__version__)"
-timeout 110 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --env nohint:KIVI_DECODE_VHINT=0 \
+timeout 110 python3 eval/ab_decode.py --graph --head-dim 64 --rounds 3 --tuning nohint:vhint=0 \
     --shapes 32x8x32768,8x8x32768,1x8x131072 --bits 4/4/32 \
     --out "$OUT/ab_vhint_d64.json" > "$OUT/ab_vhint_d64.log" 2>&1; echo "ab rc $?"
 grep -E " d64 |cur:|nohint:" "$OUT/ab_vhint_d64.log" | tail -12

@@ -1,11 +1,10 @@
 """Triton kernels for kivi_cache, installed as ``kivi_cache.kernels``.
 
-Each public function is the twin of the function of the same name in
-:mod:`kivi_cache.reference` (same signature and semantics; a few extra
-keyword-only tuning arguments). :class:`DecodeRunner` is ``paged_decode_attention`` planned once
-for many calls over the same pages (its runs equal the op's calls; ``kivi_cache.ops.DecodeRunner``
-picks it or the reference). The cache decides when to call them; use :func:`available` to know
-whether Triton can run here.
+Each public function is the twin of the function of the same name in :mod:`kivi_cache.reference` (same signature
+and semantics; a few extra keyword-only arguments, among them ``tuning``: the launch settings, :mod:`.tuning`).
+:class:`DecodeRunner` is ``paged_decode_attention`` planned once for many calls over the same pages (its runs equal
+the op's calls; ``kivi_cache.ops.DecodeRunner`` picks it or the reference). The cache decides when to call them; use
+:func:`available` to know whether Triton can run here.
 """
 
 from __future__ import annotations
@@ -31,27 +30,34 @@ if __name__ == "kernels":  # pragma: no cover - exercised in subprocesses by tes
 
 
 def available() -> bool:
-    """True when Triton kernels can run: a CUDA device, or the Triton interpreter (TRITON_INTERPRET=1)."""
+    """True when Triton kernels can run: a CUDA device, or Triton's interpreter (:func:`interpreting`)."""
     try:
         import torch
-        import triton  # noqa: F401
+
+        from ._util import interpreting
     except Exception:  # pragma: no cover - triton missing
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return True
     return torch.cuda.is_available()
 
 
 if __name__ != "kernels":  # see the top
+    from ._util import interpreting
     from .attention import DecodeRunner, paged_decode_attention, paged_prefix_attention
     from .dequant import dequantize_pages
     from .quantize import append_and_flush, quantize_and_write
+    from .tuning import DecodeTuning, QuantTuning, Tuning
 
 __all__ = [
     "DecodeRunner",
+    "DecodeTuning",
+    "QuantTuning",
+    "Tuning",
     "append_and_flush",
     "available",
     "dequantize_pages",
+    "interpreting",
     "paged_decode_attention",
     "paged_prefix_attention",
     "quantize_and_write",

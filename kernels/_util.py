@@ -1,16 +1,18 @@
-"""Small shared helpers for the kivi_cache Triton kernels (no Triton code)."""
+"""Small shared helpers for the kivi_cache Triton kernels (no kernel code)."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import triton
 
 ALLOWED_HEAD_DIMS = (64, 128, 256)
 ALLOWED_BITS = (2, 4, 8)
 
 
-CHECK_INDICES = os.environ.get("KIVI_CHECK_INDICES") == "1"  # as kivi_cache.checks.CHECK_INDICES
+# the one debug switch (index values checked on every call, GPU included), read once: as kivi_cache.checks.CHECK_INDICES
+CHECK_INDICES = os.environ.get("KIVI_CHECK_INDICES") == "1"
 
 
 def checks():
@@ -30,8 +32,20 @@ def reference():
     return mod
 
 
+@triton.jit
+def _probe():
+    """Never launched: what ``@triton.jit`` made of it says how Triton built this package's kernels."""
+    pass
+
+
+# Triton's interpreter runs the kernels (TRITON_INTERPRET=1 when they were defined): ``@triton.jit`` then makes an
+# interpreted function (Triton 3.6 to 3.9: ``triton.runtime.interpreter.InterpretedFunction``), not a JITFunction
+INTERPRETER = not isinstance(_probe, triton.runtime.JITFunction)
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """True where Triton's interpreter runs the kernels (decided when they were defined, at import)."""
+    return INTERPRETER
 
 
 def check_head_dim(d: int) -> None:
@@ -129,10 +143,9 @@ FP_FUSION = {"enable_fp_fusion": True}
 # the pointers' alignment, which is checked per call) and launches it directly afterwards, through the same
 # ``CompiledKernel.run`` call ``JITFunction.run`` ends with (Triton 3.6 to 3.9), with the tensors passed as their
 # addresses (Triton's launcher takes an int as the pointer itself; for a tensor it calls ``data_ptr`` and asks the
-# driver about the pointer, once per tensor and launch). On by default since session 12 (H200: the decode op's host
-# time per call 202 -> 107 us, bit-equal outputs, eval/results/op_host_fast*_s12.json, gpu_tests_launch_s12.log);
-# ``KIVI_FAST_LAUNCH=0`` turns it off. Never under the interpreter or while a launch hook (a profiler) is set.
-FAST_LAUNCH = os.environ.get("KIVI_FAST_LAUNCH", "1") != "0"
+# driver about the pointer, once per tensor and launch). A caller passes ``plan_key=None`` for Triton's own launch
+# (its tuning's ``fast_launch`` off: :mod:`.tuning`). Never under the interpreter or while a launch hook (a profiler)
+# is set.
 _knobs = None
 
 
@@ -143,7 +156,7 @@ class Launcher:
         self.fast_launches = 0  # for tests
 
     def __call__(self, plan_key, grid: tuple, args: tuple, meta: dict):
-        fast = FAST_LAUNCH and plan_key is not None and not interpreting()
+        fast = plan_key is not None and not interpreting()
         entry = self.kernels.get(plan_key) if fast else None
         align = None
         if entry is not None:  # (positions of the tensor arguments, {their alignment: (kernel, constexprs)})
@@ -195,15 +208,3 @@ def no_launch_hooks() -> bool:
 
         _knobs = knobs.runtime
     return all(h is None or not getattr(h, "calls", True) for h in (_knobs.launch_enter_hook, _knobs.launch_exit_hook))
-
-
-def env_reader(names: tuple):
-    """A function returning the current values of the environment variables ``names`` as a tuple (a cache key),
-    ~1 us for a dozen: on POSIX through ``os.environ``'s own bytes mapping (``os.environ.get`` encodes and
-    decodes every name, ~2 us each); ``os.environ.get`` elsewhere."""
-    data = getattr(os.environ, "_data", None)
-    if os.name == "posix" and isinstance(data, dict):
-        keys = tuple(os.fsencode(n) for n in names)
-        get = data.get
-        return lambda: tuple(map(get, keys))
-    return lambda: tuple(map(os.environ.get, names))

@@ -49,19 +49,17 @@ stacked on the query axis.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import _util
+from . import tuning as _tuning
 from ._util import (
     Launcher,
     block_tokens,
     check_pool_strides,
     check_settings,
-    env_reader,
     interpreting,
     no_launch_hooks,
     num_sms,
@@ -70,7 +68,6 @@ from .dequant import dequantize_pages
 from .unpack import (
     EXACT,
     FOLD_E,
-    SRCMINS,
     fold_pairs_asm,
     fold_scale,
     join_planes2,
@@ -641,7 +638,7 @@ def _merge_pair(m_ws, l_ws, o_ws, out_ptr, row, hq, gmask, out_off, s_oh, NSP1, 
     if BM <= 16:  # a few partials: the loop unrolled (its loads issued together)
         for s0 in tl.static_range(0, BM, BSM):
             acc += _merge_chunk(m_ws, o_ws, base, m_safe, gmask, s0, NSP1, D, BSM)
-    else:  # many (eager batch 1 at long context, KIVI_DECODE_MERGE_MAX): a loop
+    else:  # many (eager batch 1 at long context, DecodeTuning.merge_max): a loop
         for s0 in tl.range(0, NSP1, BSM):
             acc += _merge_chunk(m_ws, o_ws, base, m_safe, gmask, s0, NSP1, D, BSM)
     res = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
@@ -712,96 +709,88 @@ def _use_asm(dtype, bits: int, dot_f32: bool) -> bool:
     return not dot_f32 and not interpreting() and bits in (2, 4) and dtype in (torch.float16, torch.bfloat16)
 
 
-def _step_tokens(page_size: int, group_size: int, interp: bool) -> int:
-    """Tokens per step of the paged loop: whole key groups inside one page, up to KIVI_DECODE_STEP (64). At head_dim
-    256 too, although that build spills under Triton 3.6: 32-token steps and two-warp programs (no spills) were
-    8-160% slower on the H200 (eval/results/ab_d256_s35.json, ab_d256_b_s35.json)."""
-    cap = max(group_size, int(os.environ.get("KIVI_DECODE_STEP", 64)))
+def _decode_tuning(t: _tuning.DecodeTuning | None) -> _tuning.DecodeTuning:
+    """``t``, or the default's decode settings (read at each call: a benchmark may replace ``tuning.DEFAULT``)."""
+    return _tuning.DEFAULT.decode if t is None else t
+
+
+def _step_tokens(page_size: int, group_size: int, interp: bool, t: _tuning.DecodeTuning | None = None) -> int:
+    """Tokens per step of the paged loop: whole key groups inside one page, up to ``DecodeTuning.step`` (64). At
+    head_dim 256 too, although that build spills under Triton 3.6: 32-token steps and two-warp programs (no spills)
+    decoded slower there (eval/NOTES.md)."""
+    cap = max(group_size, _decode_tuning(t).step)
     return max(g for g in (group_size * (1 << i) for i in range(8)) if g <= cap and page_size % g == 0)
 
 
-def _maxnreg(interp: bool, step: int) -> dict:
-    """Register cap per thread (more resident warps per SM): 128 for 32-token steps, none for larger
-    steps (they would spill); KIVI_DECODE_MAXNREG overrides (0 = none)."""
-    n = int(os.environ.get("KIVI_DECODE_MAXNREG", 128 if step <= 32 else 0))
+def _maxnreg(interp: bool, step: int, t: _tuning.DecodeTuning | None = None) -> dict:
+    """Register cap per thread (more resident warps per SM): 128 for 32-token steps, none for larger steps (they
+    would spill); ``DecodeTuning.maxnreg`` overrides (0 = none)."""
+    n = _decode_tuning(t).maxnreg
+    if n is None:
+        n = 128 if step <= 32 else 0
     return {} if interp or n <= 0 else {"maxnreg": n}
 
 
-def _stages(interp: bool) -> dict:
-    """Software-pipelining depth of the paged loop (``PSTAGES``, env ``KIVI_DECODE_STAGES``, default 5) and of
-    the residual-window loop (``RSTAGES``, ``KIVI_DECODE_RSTAGES``, default 1). The paged loop's page index
-    (block table) is itself a pipelined load that the code loads depend on, so with Triton 3.6 fewer than 5
-    stages make every step wait for *all* its copies (``cp.async.wait_group 0``: the load latency is exposed
-    once per step); at 5 the next step's codes stay in flight during this step's math (measured 3-10% faster
-    at batch >= 8, eval/NOTES.md session 5). The residual loop pipelined that deep spills, so it runs unpipelined."""
+def _stages(interp: bool, t: _tuning.DecodeTuning | None = None) -> dict:
+    """Software-pipelining depth of the paged loop (``PSTAGES`` and ``num_stages``: ``DecodeTuning.stages``, 5) and
+    of the residual-window loop (``RSTAGES``: ``DecodeTuning.rstages``, 1). The paged loop's page index (block table)
+    is itself a pipelined load that the code loads depend on, so with Triton 3.6 fewer than 5 stages make every step
+    wait for *all* its copies (``cp.async.wait_group 0``: the load latency is exposed once per step); at 5 the next
+    step's codes stay in flight during this step's math. The residual loop pipelined that deep spills, so it runs
+    unpipelined. One stage of each under the interpreter."""
     if interp:
         return dict(PSTAGES=1, RSTAGES=1, num_stages=1)
-    p = int(os.environ.get("KIVI_DECODE_STAGES", 5))
-    return dict(PSTAGES=p, RSTAGES=int(os.environ.get("KIVI_DECODE_RSTAGES", 1)), num_stages=p)
+    t = _decode_tuning(t)
+    return dict(PSTAGES=t.stages, RSTAGES=t.rstages, num_stages=t.stages)
 
 
 # programs per SM of each compiled decode kernel, keyed by device and compile-time settings: read from the
-# kernel returned by its first launch (registers, shared memory, warps); until then RESIDENT_DEFAULT
+# kernel returned by its first launch (registers, shared memory, warps); until then RESIDENT_DEFAULT (the one-warp
+# head_dim-128 kernel's count)
 RESIDENT_DEFAULT = 8
 _RESIDENT: dict = {}
 
 
-def _srcmin() -> dict:
-    """``SRCMIN`` of the unpack (``KIVI_UNPACK_SRCMIN``: 16 = exact, the default; 6 or 4 read codes in place from
+def _srcmin(t: _tuning.DecodeTuning | None = None) -> dict:
+    """``SRCMIN`` of the unpack (``DecodeTuning.srcmin``: 16 = exact, the default; 6 or 4 read codes in place from
     that mantissa bit up, with a larger rounding of the folded zero points: ``kernels.unpack.field``)."""
-    v = int(os.environ.get("KIVI_UNPACK_SRCMIN", EXACT))
-    if v not in SRCMINS:
-        raise ValueError(f"KIVI_UNPACK_SRCMIN must be one of {SRCMINS}, got {v}")
-    return dict(SRCMIN=v)
+    return dict(SRCMIN=_decode_tuning(t).srcmin)
 
 
-def _vhint(d: int, step: int, key_bits: int, value_bits: int) -> dict:
+def _vhint(d: int, step: int, key_bits: int, value_bits: int, t: _tuning.DecodeTuning | None = None) -> dict:
     """``VHINT`` of the split kernel: its paged loop declares each step's offset into the value-word rows a multiple
     of the step's words (true: steps start at multiples of BLOCK). Triton 3.9 infers that and copies the value tiles
-    in 16-byte pieces; 3.6 (the GPU image) copied them 4 bytes at a time. With the hint 3.6's sm_90 build matches
-    3.9's (SASS per 64-token step 4/4 1472 -> 1461, 3.9: 1452; same cp.async widths), and 3.9 decoded 4-12% faster
-    than 3.6 on the H200 (eval/NOTES.md, session 27); with the hint 3.6 decodes 2-9% faster (int4, head_dim 128,
-    bit-equal outputs; session 28, ``eval/results/ab_vhint_s28.json``). Default ``KIVI_DECODE_VHINT=auto``: on for
-    64-token steps at head_dim >= 128, and at head_dim 64 for 2- and 4-bit keys and values: 4/4 bits 3-11% faster on
-    the H200 under 3.6 (168 -> 187 registers, 12 -> 8 warps per SM: session 29, ``eval/results/ab_d64_t36_s29.json``);
-    with KSZ on (session 32, ``ab_vhint64_ksz_s32.json``, ``ab_vhint64_g64_s32.json``) 2/2 g32 1.5-2.7%, 2/4 g32
-    5.7-7.0%, 4/2 g32 -0.4% to +6.1%, 2/2 g64 0.1-3.2%, 4/2 g64 (the Int2 preset) 1.1-5.3% (without KSZ, session
-    29, 2/2 bits were mixed: -3% to +8%). Off for 32-token steps (3.6 then spills: 903 -> 1553 instructions) and for
-    8-bit keys or values at head_dim 64 (not timed). Under 3.9 it changes no instruction. ``1``/``0`` force it."""
-    v = os.environ.get("KIVI_DECODE_VHINT", "auto")
-    if v not in ("auto", "0", "1"):
-        raise ValueError(f"KIVI_DECODE_VHINT must be one of auto, 0, 1; got {v!r}")
-    auto = step >= 64 and (d >= 128 or max(key_bits, value_bits) <= 4)
-    return dict(VHINT=int(v == "1" or (v == "auto" and auto)))
+    in 16-byte pieces; 3.6 (the GPU image) copies them 4 bytes at a time without the hint, and with it builds what
+    3.9 builds (the same cp.async widths) and decodes faster (int4, head_dim 128, bit-equal outputs). Policy
+    (``DecodeTuning.vhint=None``): on for 64-token steps at head_dim >= 128, and at head_dim 64 for 2- and 4-bit keys
+    and values (timed faster there under 3.6, with and without KSZ); off for 32-token steps (3.6 then spills) and for
+    8-bit keys or values at head_dim 64 (not timed). Under 3.9 it changes no instruction. True/False force it.
+    Timings in eval/NOTES.md."""
+    v = _decode_tuning(t).vhint
+    if v is None:
+        v = step >= 64 and (d >= 128 or max(key_bits, value_bits) <= 4)
+    return dict(VHINT=int(v))
 
 
 _TRITON_36 = triton.__version__.startswith("3.6")  # the GPU image's Triton, where _ksz's bf16 rule was timed
 
 
-def _ksz(d: int, key_bits: int, bf16: bool = False) -> dict:
-    """``KSZ`` of the split kernel (``KIVI_DECODE_KSZ``: ``auto``, the default, ``1`` or ``0``; 2- and 4-bit keys with
+def _ksz(d: int, key_bits: int, bf16: bool = False, t: _tuning.DecodeTuning | None = None) -> dict:
+    """``KSZ`` of the split kernel (``DecodeTuning.ksz``: None, the policy, True or False; 2- and 4-bit keys with
     the inline-PTX unpack only): the step's key scale and zero words of every key plane in one [2, GPS, D/2] int32
     load (``_key_words``), split in registers, instead of two [GPS, D/2 NK] loads per plane. Those tiles are small at
     head_dim 64 and with 64-token groups, and Triton 3.6 copies them with 16-byte cp.async on a few lanes, each copy
-    behind a branch: 923 SASS per 64-token step for 2/2 bits at head_dim 64 against 3.9's 718, and the H200 decoded
-    2/2 bits there 21-27% slower under 3.6 than under 3.9 (session 30, ``eval/results/ab_d64_t39_s30.json`` against
-    ``ab_d64_t36_s29.json``). With it (SASS built on the CPU, 3.6, fp16): head_dim 64 2/2 722, 2/4 783 (961), 4/2 g64
-    717 (769), 4/4 g64 727 (767); head_dim 128 g64 2/2 1168 (1246), 2/4 1256 (1327); never more; under 3.9 from 0.5%
-    more to 4% fewer. Timed on the H200 under 3.6 (session 31, fp16, CUDA graphs, ``eval/results/ab_ksz_d64_s31.json``
-    and ``ab_ksz_d128_s31.json``): head_dim 64 2/2 bits 24-27% faster (32 x 8 x 32k 0.2414 -> 0.1827 ms, as fast as
-    3.9), 4/2 g64 0-7%, 4/4 0-4%; head_dim 128 2/2 g64 6%, 4/4 g32 0.3-2%; slower nowhere; under 3.9 (head_dim 64)
-    2/2 bits 2%, 4/4 +2% / -3%. Outputs within 1e-3 relative (bit-equal where the split count is unchanged).
-    ``auto``: on at head_dim 64; at 128 for fp16, and for bf16 under Triton 3.6. bf16 builds at head_dim 128 sit at
-    the 255-register cap, and the one load keeps more words live: 2/2 bits g32 spill 4 registers per step under 3.9,
-    g64 2 under 3.6 (``eval/results/sass_ksz_bf16_s31.json``). Timed anyway (session 32, bf16, CUDA graphs): under
-    3.6 0.7-7.7% faster at every row (2/2 g64 32 x 8 x 32k 0.3255 -> 0.3010 ms; ``ab_ksz_bf16_d128_s32.json``), under
-    3.9 -0.9% to +0.8% (``ab_ksz_bf16_d128_t39_s32.json``), so off there. At head_dim 256 every build spills with
-    or without it and it moves the count by -1% to +1.4% (``sass_ksz_d256_s31.json``); not timed, off."""
-    v = os.environ.get("KIVI_DECODE_KSZ", "auto")
-    if v not in ("auto", "0", "1"):
-        raise ValueError(f"KIVI_DECODE_KSZ must be one of auto, 0, 1; got {v!r}")
-    on = v == "1" or (v == "auto" and (d < 128 or (d == 128 and (not bf16 or _TRITON_36))))
-    return dict(KSZ=int(on and key_bits in (2, 4)))
+    behind a branch (a quarter more SASS per step than 3.9 for 2/2 bits at head_dim 64, which then decoded a fifth
+    slower than under 3.9). With one load 3.6's build is as lean as 3.9's (never more SASS; under 3.9 from 0.5% more
+    to 4% fewer) and decodes as fast as 3.9 there, faster or equal at every timed head_dim 64 and 128 setting; outputs
+    within 1e-3 relative (bit-equal where the split count is unchanged). Policy: on at head_dim 64; at 128 for fp16,
+    and for bf16 under Triton 3.6 only (bf16 builds at head_dim 128 sit at the 255-register cap and the one load
+    keeps more words live: they spill a few registers per step; timed faster anyway under 3.6, neutral under 3.9).
+    At head_dim 256 every build spills with or without it (not timed): off. Timings in eval/NOTES.md."""
+    v = _decode_tuning(t).ksz
+    if v is None:
+        v = d < 128 or (d == 128 and (not bf16 or _TRITON_36))
+    return dict(KSZ=int(v and key_bits in (2, 4)))
 
 
 def warps_by_registers(regs: int, sm_regs: int = 65536) -> int:
@@ -834,52 +823,52 @@ def _resident_of(kernel, device) -> int | None:
 
 
 def _pick_splits(bsz: int, hkv: int, width_tokens: int, device, resident: int = RESIDENT_DEFAULT,
-                 chunks: int = 1) -> int:
+                 chunks: int = 1, t: _tuning.DecodeTuning | None = None) -> int:
     """Context splits per (sequence, KV head). The grid has ``bsz * hkv * (splits + chunks)`` one-warp programs
     (the last ``chunks`` of each read the residual window, :func:`window_chunk`); ``resident`` of them fit on an
     SM at once (from the compiled kernel's registers and shared memory: 8 for the one-warp d=128 kernel, 4 at d=256;
-    ``KIVI_DECODE_RESIDENT`` overrides), so ``slots = SMs * resident`` programs make one wave.
-    Waves: as many as splits of ``KIVI_DECODE_SPLIT_LONG`` (1024) tokens need, at most
-    ``KIVI_DECODE_FILL / resident`` (24 / 8 = 3); splits fill those waves, but none is shorter than
-    ``KIVI_DECODE_SPLIT_MIN`` (256) tokens. Measured (H200, CUDA graphs, session 6): batch 1 x 8 KV heads
-    at 128k runs one wave of 131 splits (0.063 ms, 2048 programs in two waves 0.067, three waves 0.075,
-    1.3 waves 0.074); at 32k and 8k, 256-token splits; from batch 8 x 8 KV heads at >= 32k three waves,
-    as the fill of 24 programs per SM before."""
+    ``DecodeTuning.resident`` overrides), so ``slots = SMs * resident`` programs make one wave.
+    Waves: as many as splits of ``DecodeTuning.split_long`` (1024) tokens need, at most
+    ``DecodeTuning.fill / resident`` (24 / 8 = 3); splits fill those waves, but none is shorter than
+    ``DecodeTuning.split_min`` (256) tokens. So batch 1 x 8 KV heads at 128k runs one wave of 131 splits (faster
+    than two or three waves of more), at 32k and 8k 256-token splits, and from batch 8 x 8 KV heads at >= 32k three
+    waves (timings in eval/NOTES.md). Two splits at most under the interpreter or off CUDA."""
     if interpreting() or device.type != "cuda":
         return max(1, min(2, width_tokens // 64))
-    return split_count(bsz, hkv, width_tokens, num_sms(device), resident, chunks)
+    return split_count(bsz, hkv, width_tokens, num_sms(device), resident, chunks, t)
 
 
-def split_count(bsz: int, hkv: int, width_tokens: int, sms: int, resident: int, chunks: int = 1) -> int:
-    """The rule of :func:`_pick_splits` for ``sms`` SMs holding ``resident`` programs each (env overrides)."""
-    env = os.environ.get
-    resident = int(env("KIVI_DECODE_RESIDENT", 0)) or resident
+def split_count(bsz: int, hkv: int, width_tokens: int, sms: int, resident: int, chunks: int = 1,
+                t: _tuning.DecodeTuning | None = None) -> int:
+    """The rule of :func:`_pick_splits` for ``sms`` SMs holding ``resident`` programs each (``t``'s settings)."""
+    t = _decode_tuning(t)
+    resident = t.resident or resident
     slots = sms * resident
     pairs = max(1, bsz * hkv)
-    max_waves = max(1, int(env("KIVI_DECODE_FILL", 24)) // resident)
-    by_long = triton.cdiv(width_tokens, int(env("KIVI_DECODE_SPLIT_LONG", 1024)))
+    max_waves = max(1, t.fill // resident)
+    by_long = triton.cdiv(width_tokens, t.split_long)
     waves = min(max_waves, triton.cdiv(pairs * (by_long + chunks), slots))
     by_fill = max(1, waves * slots // pairs - chunks)
-    by_len = triton.cdiv(width_tokens, int(env("KIVI_DECODE_SPLIT_MIN", 256)))
+    by_len = triton.cdiv(width_tokens, t.split_min)
     return max(1, min(by_fill, by_len, 1024))
 
 
-WINDOW_CHUNK = 64  # window tokens per program where the (sequence, KV head) pairs are few (window_chunk)
+# window slots per program where the (sequence, KV head) pairs are few (window_chunk): the unpipelined window loop
+# spread over a few programs instead of one that outlasts the paged splits
+WINDOW_CHUNK = 64
 
 
-def window_chunk(pairs: int, capacity: int, block_r: int, device) -> int:
-    """Window slots per program: the whole window (one program, as before session 18) unless the pairs are few
-    (at most ``MERGE_PAIRS``, small batches on a GPU), where the window's one unpipelined program was the longest
-    (batch 1 at 1k, compiled: the split kernel 18 us against SDPA's 9, ``static_step_probe_new_s17.json``): then
-    ``WINDOW_CHUNK`` slots each (there 18.0 -> 10.0 us, ``static_step_probe_{main,rsplit}_s18.json``). The plan
-    keeps the chunks only where the split rule (:func:`split_count`) gives the paged splits the same count with them
-    as with one window program (split length the bound: short contexts, batch 1 up to 32k): at batch 8 x 8 KV heads
-    x 32k they moved the rule from 2 waves of 32 splits to 3 of 46, 5.6% slower (``ab_rchunk_s18.json``).
-    ``KIVI_DECODE_RCHUNK`` overrides both (tokens, rounded up to whole ``block_r`` steps; also under the
-    interpreter, for tests)."""
-    env = int(os.environ.get("KIVI_DECODE_RCHUNK", 0))
-    if env:
-        tokens = env
+def window_chunk(pairs: int, capacity: int, block_r: int, device, t: _tuning.DecodeTuning | None = None) -> int:
+    """Window slots per program: the whole window (one program) unless the pairs are few (at most ``MERGE_PAIRS``,
+    small batches on a GPU), where the window's one unpipelined program is the split kernel's longest (batch 1 at
+    1k: the kernel then took twice SDPA's time): then ``WINDOW_CHUNK`` slots each. The plan keeps the chunks only
+    where the split rule (:func:`split_count`) gives the paged splits the same count with them as with one window
+    program (split length the bound: short contexts, batch 1 up to 32k); where they would move the rule to more waves
+    (batch 8 x 8 KV heads x 32k) they decoded slower. ``DecodeTuning.rchunk`` overrides both (tokens, rounded up to
+    whole ``block_r`` steps; also under the interpreter, for tests). Timings in eval/NOTES.md."""
+    rchunk = _decode_tuning(t).rchunk
+    if rchunk:
+        tokens = rchunk
     elif device.type == "cuda" and not interpreting() and pairs <= MERGE_PAIRS:
         tokens = WINDOW_CHUNK
     else:
@@ -902,17 +891,12 @@ def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
             raise ValueError("pool tensors must have a contiguous last dimension")
 
 
-# Environment settings a decode plan depends on (read once per call: a test may change them between calls).
-_PLAN_ENV = ("TRITON_INTERPRET", "KIVI_DECODE_GP_MIN", "KIVI_DECODE_WARPS", "KIVI_DECODE_STAGES", "KIVI_DECODE_RSTAGES",
-             "KIVI_DECODE_MAXNREG", "KIVI_DECODE_STEP", "KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL",
-             "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN", "KIVI_DECODE_FUSE_MERGE",
-             "KIVI_DECODE_MERGE_MAX", "KIVI_DECODE_RCHUNK", "KIVI_UNPACK_SRCMIN", "KIVI_DECODE_VHINT",
-             "KIVI_DECODE_KSZ")
-_plan_env = env_reader(_PLAN_ENV)
-# at most this many partials per (sequence, KV head) merged in the split kernel (KIVI_DECODE_MERGE_MAX; and only while
-# GP x BM <= 1024). 16 in session 13; all 129 of batch 1 at 32k: eager steps 2.4% faster (H200, eval/NOTES.md s14)
-MERGE_MAX = 256
-MERGE_PAIRS = 64  # by default the split kernel merges only where (sequences x KV heads) is at most this
+# at most this many partials per (sequence, KV head) merged in the split kernel by default (DecodeTuning.merge_max;
+# and only while GP x BM <= 1024)
+MERGE_MAX = _tuning.DecodeTuning.merge_max
+# the split kernel merges by default only where (sequences x KV heads) is at most this: small batches, whose eager
+# steps are bound by the host (one launch fewer); larger ones are bound by the GPU, where the merge kernel costs less
+MERGE_PAIRS = 64
 _PLANS: dict = {}  # plan key -> _DecodePlan; the 32 layers of a decode step share one (same shapes)
 _SPLIT = Launcher(_decode_split_kernel)
 _REDUCE = Launcher(_decode_reduce_kernel)
@@ -927,7 +911,10 @@ class _DecodePlan:
 
     def __init__(self, q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                  value_bits, group_size, num_splits, force_half_dot, plain, newkv=False, sliding_window=None,
-                 sink=False):
+                 sink=False, tuning: _tuning.DecodeTuning | None = None):
+        t = _decode_tuning(tuning)
+        if not isinstance(t, _tuning.DecodeTuning):
+            raise TypeError(f"tuning must be None or a kernels.tuning.DecodeTuning, got {type(t).__name__}")
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or num_splits < 1):
             raise ValueError(f"num_splits must be None (automatic) or an int >= 1 (context splits), got {num_splits!r}")
@@ -942,10 +929,10 @@ class _DecodePlan:
             raise ValueError(f"decode kernel needs value sub-tiles min(group_size, 32) >= 16 and <= 8 of them "
                              f"per head, and pages of whole 32-bit words of value codes; got group_size={group_size}, "
                              f"head_dim={d}, page_size={p}, bits={key_bits}/{value_bits}")
-        gp = max(int(os.environ.get("KIVI_DECODE_GP_MIN", 1)), triton.next_power_of_2(group))
+        gp = max(t.gp_min, triton.next_power_of_2(group))
         interp = interpreting()
         block_tokens(p, group_size, 256)  # page-size check
-        blk = _step_tokens(p, group_size, interp)
+        blk = _step_tokens(p, group_size, interp, t)
         if k_codes.shape[-1] % 4 or v_codes.shape[-1] % 4:
             raise ValueError("code rows must be a whole number of 32-bit words (head_dim * bits / 8 % 4 == 0)")
         blk_r = 64 if interp else (32 if d <= 128 else 16)
@@ -962,13 +949,13 @@ class _DecodePlan:
                     KBITS=key_bits, VBITS=value_bits, DOT_F32=dot_f32,
                     KASM=not plain and _use_asm(q.dtype, key_bits, dot_f32),
                     VASM=not plain and _use_asm(q.dtype, value_bits, dot_f32), BF16=q.dtype == torch.bfloat16,
-                    num_warps=int(os.environ.get("KIVI_DECODE_WARPS", 1)), **_stages(interp), **_maxnreg(interp, blk),
-                    **_srcmin(), **_vhint(d, blk, key_bits, value_bits),
-                    **_ksz(d, key_bits, q.dtype == torch.bfloat16),
+                    num_warps=t.warps, **_stages(interp, t), **_maxnreg(interp, blk, t),
+                    **_srcmin(t), **_vhint(d, blk, key_bits, value_bits, t),
+                    **_ksz(d, key_bits, q.dtype == torch.bfloat16, t),
                     **({"SLIDING": 1} if sliding_window else {}))
         rkey = (q.device.index, *meta.items())
         cap = res_k.shape[2]
-        rch = window_chunk(bsz * hkv, cap, blk_r, q.device)
+        rch = window_chunk(bsz * hkv, cap, blk_r, q.device, t)
         chunks = max(1, triton.cdiv(cap, rch))
         if num_splits:
             ns = num_splits
@@ -976,9 +963,9 @@ class _DecodePlan:
             width, resident = block_table.shape[1] * p, _RESIDENT.get(rkey, RESIDENT_DEFAULT)
             if sliding_window:  # the pages a window spans
                 width = min(width, (triton.cdiv(sliding_window, p) + 1) * p)
-            ns = _pick_splits(bsz, hkv, width, q.device, resident, chunks)
-            if chunks > 1 and not os.environ.get("KIVI_DECODE_RCHUNK"):
-                ns1 = _pick_splits(bsz, hkv, width, q.device, resident, 1)
+            ns = _pick_splits(bsz, hkv, width, q.device, resident, chunks, t)
+            if chunks > 1 and not t.rchunk:
+                ns1 = _pick_splits(bsz, hkv, width, q.device, resident, 1, t)
                 if ns != ns1:  # the chunks would change the paged splits (and waves): one window program
                     rch, chunks, ns = _whole_steps(cap, cap, blk_r), 1, ns1
         self.meta = dict(meta, **({"NEWKV": 1} if newkv else {}))
@@ -990,18 +977,15 @@ class _DecodePlan:
                      k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), vw.stride(0), vw.stride(1),
                      v_scale.stride(0), v_scale.stride(1), *res_k.stride()[:3], *res_v.stride()[:3])
         self.reduce_grid, self.reduce_meta = _reduce_launch(self.rows, self.nsp1, d, sink)
-        # the split kernel merges its own partials (no merge kernel) where a pair has at most MERGE_MAX of them (one
-        # one-warp program merges them all: measured GPU time +16 us at 129-132 partials (split 16.8 + merge kernel 2.8
-        # -> 35.4 us at batch 1 x 8 KV heads x 32k, eval/results/merge_tail_s14e.json), hidden behind the host in eager)
-        # and, by default, where there are few pairs (small batches, whose eager steps are host-bound: one launch
-        # fewer; H200, batch 1 at 1k: 22.7 -> 22.2 ms a step, eval/NOTES.md session 13; at 32k with 129 partials 2.4%
-        # faster, session 14). Never while a CUDA graph is captured (there the GPU time counts: the merge kernel).
-        # KIVI_DECODE_FUSE_MERGE=1: at any batch; 0: never.
+        # the split kernel merges its own partials (no merge kernel) where a pair has at most merge_max of them (one
+        # one-warp program merges them all: more GPU time than the merge kernel at a hundred partials, hidden behind
+        # the host in eager steps) and, by default, where there are few pairs (MERGE_PAIRS: small batches, whose eager
+        # steps are host-bound: one launch fewer). Never while a CUDA graph is captured (there the GPU time counts:
+        # the merge kernel). DecodeTuning.fuse_merge True: at any batch; False: never.
         self.merge_meta = None
-        fuse = os.environ.get("KIVI_DECODE_FUSE_MERGE", "auto")
-        merge_max = int(os.environ.get("KIVI_DECODE_MERGE_MAX", MERGE_MAX))
+        fuse = t.fuse_merge
         bm = triton.next_power_of_2(self.nsp1)
-        if ((fuse == "1" or (fuse == "auto" and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= merge_max
+        if ((fuse or (fuse is None and bsz * hkv <= MERGE_PAIRS)) and self.nsp1 <= t.merge_max
                 and gp * bm <= 1024):  # the merging program holds all [GP, BM] partial maxima and sums in registers
             self.merge_meta = dict(self.meta, MERGE=1, BM=bm, BSM=max(1, min(bm, 2048 // (gp * d))),
                                    **({"SINK": 1} if sink else {}))
@@ -1023,7 +1007,7 @@ def _check_new_token(new_k, new_v, q, res_k, res_v):
 
 def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
               out, key_bits, value_bits, group_size, num_splits, force_half_dot, plain, new_k, new_v,
-              sliding_window=None, sink_logits=None):
+              sliding_window=None, sink_logits=None, tuning=None):
     # every tensor's device (each checked on a new key only; new_k/new_v, sink_logits and out on every call)
     return (out.stride(), q.device, block_table.device, lengths.device, res_lengths.device, k_codes.device,
             k_scale.device, k_zero.device, v_codes.device, v_scale.device, v_zero.device, res_k.device, res_v.device,
@@ -1035,7 +1019,7 @@ def _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scal
             v_zero.storage_offset() % 2, res_k.shape, res_k.stride(), res_k.dtype, res_v.shape, res_v.stride(),
             res_v.dtype, key_bits, value_bits, group_size, num_splits, force_half_dot, plain,
             type(key_bits), type(value_bits), type(group_size),  # 4.0 == 4: a float is checked (and rejected)
-            None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), _plan_env(),
+            None if new_k is None else (new_k.stride(), new_k.dtype, new_v.stride(), new_v.dtype), tuning,
             sliding_window, None if sink_logits is None else (sink_logits.dtype, sink_logits.stride()))
 
 
@@ -1102,7 +1086,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                            res_k, res_v, res_lengths, key_bits: int, value_bits: int, group_size: int,
                            sm_scale: float, *, num_splits: int | None = None, out=None, new_k=None, new_v=None,
                            merge: bool = True, sliding_window: int | None = None, sink_logits=None,
-                           _force_half_dot: bool = False, _plain: bool = False):
+                           tuning: _tuning.DecodeTuning | None = None, _force_half_dot: bool = False,
+                           _plain: bool = False):
     """Triton twin of :func:`kivi_cache.reference.paged_decode_attention`.
 
     ``sliding_window``: attention over the last ``sliding_window`` stored tokens only (the splits share only the pages
@@ -1116,19 +1101,22 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     q ``[B, Hq, D]``; returns ``[B, Hq, D]`` in q's dtype. ``num_splits`` (an int >= 1)
     overrides the automatic context split (for tests/benchmarks); ``out``
     (``[B, Hq, D]``, q's dtype, last dim contiguous) is written in place if given.
-    ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX unpack) are for tests and
-    benchmarks. Everything that depends only on shapes and settings is planned once per key
-    (:class:`_DecodePlan`); a call then allocates one workspace and makes two launches, or one where the split
-    kernel's last program of each (sequence, KV head) merges the partials: at most ``MERGE_MAX`` of them and, unless
-    ``KIVI_DECODE_FUSE_MERGE=1`` (``0``: never), at most ``MERGE_PAIRS`` pairs; not while a CUDA graph is captured,
-    nor with ``merge=False``. The in-kernel merge keeps one small tensor of arrival counts per plan and stream
-    (allocated by its first call): a caller whose allocations must not outlive the call passes ``merge=False``, e.g.
-    a step compiled by ``torch.compile`` with CUDA graphs, whose warm-up runs allocate from the graphs' private pool
-    and whose recording fails on a tensor of that pool kept alive (``StaticQuantizedPagedCache`` does).
+    ``tuning`` (a :class:`~kivi_cache.kernels.tuning.DecodeTuning`; None: ``tuning.DEFAULT.decode``, read at each
+    call): the launch settings and policies. ``_force_half_dot`` (interpreter) and ``_plain`` (GPU: no inline-PTX
+    unpack) are for tests and benchmarks. Everything that depends only on shapes and settings is planned once per key
+    (:class:`_DecodePlan`, the tuning part of the key); a call then allocates one workspace and makes two launches, or
+    one where the split kernel's last program of each (sequence, KV head) merges the partials: at most
+    ``merge_max`` (``MERGE_MAX``) of them and, unless ``fuse_merge`` is True (False: never), at most ``MERGE_PAIRS``
+    pairs; not while a CUDA graph is captured, nor with ``merge=False``. The in-kernel merge keeps one small tensor of
+    arrival counts per plan and stream (allocated by its first call): a caller whose allocations must not outlive the
+    call passes ``merge=False``, e.g. a step compiled by ``torch.compile`` with CUDA graphs, whose warm-up runs
+    allocate from the graphs' private pool and whose recording fails on a tensor of that pool kept alive
+    (``StaticQuantizedPagedCache`` does).
     :class:`DecodeRunner` plans once for many calls.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
+    t = _tuning.DEFAULT.decode if tuning is None else tuning
     _util.checks().check_sliding_window(sliding_window)
     _util.checks().check_sm_scale(sm_scale)
     if sink_logits is not None:
@@ -1160,7 +1148,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
                          f"{list(out.shape)} {out.dtype} on {out.device}, strides {tuple(out.stride())}")
     key = _plan_key(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
                     res_lengths, out, key_bits, value_bits, group_size, num_splits, _force_half_dot, _plain, new_k,
-                    new_v, sliding_window, sink_logits)
+                    new_v, sliding_window, sink_logits, t)
     plan = _PLANS.get(key)
     if plan is None:  # shapes, dtypes and devices: once per key (their values below, where that needs no sync)
         pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
@@ -1169,7 +1157,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         check_pool_strides(pool)
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                            value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None,
-                           sliding_window, sink_logits is not None)
+                           sliding_window, sink_logits is not None, t)
         if plan.final:
             if len(_PLANS) > 4096:  # shapes seen by a long-lived process: keep the cache bounded
                 _PLANS.clear()
@@ -1183,7 +1171,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
     merge = merge and plan.merge_meta is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
     cnt = _counts(plan, q.device) if merge else res_lengths  # res_lengths: a placeholder pointer unless merging
-    fast_key = (key, merge) if plan.final else None
+    fast_key = (key, merge) if plan.final and t.fast_launch else None
     kernel = _SPLIT(fast_key, plan.grid, _split_args(
         plan, q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v, res_lengths,
         ws_m, ws_l, ws_o, new_k, new_v, out, cnt, sm_scale, sink_logits), plan.merge_meta if merge else plan.meta)
@@ -1203,7 +1191,7 @@ def _cuda_index(t: torch.Tensor) -> int:
 class _Ready:
     """What :class:`DecodeRunner` keeps from a first run to launch the same kernels again."""
 
-    __slots__ = ("qshape", "qstride", "dtype", "index", "stream", "scale", "env", "new", "nk", "nv", "rl_dtype",
+    __slots__ = ("qshape", "qstride", "dtype", "index", "stream", "scale", "tuning", "new", "nk", "nv", "rl_dtype",
                  "align", "split", "reduce", "grid", "reduce_grid", "oshape", "keep", "sink")
 
 
@@ -1217,17 +1205,21 @@ class DecodeRunner:
     ordinary call of :func:`paged_decode_attention` (it plans, compiles and checks everything). Later runs with the
     same shapes, strides, dtypes, settings, stream and pointer alignment launch the compiled kernels directly with
     the first run's argument list, only the changing pointers replaced: no plan key, no checks of the fixed tensors.
-    Otherwise (a CUDA graph being captured, a profiler's launch hook, the interpreter, ``KIVI_FAST_LAUNCH=0``,
-    ``KIVI_CHECK_INDICES=1``, a change) a run is the ordinary call. The fixed tensors may be written to, not replaced
-    or resized: build a new runner then (the cache does, whenever its block table or pool tensors change).
+    Otherwise (a CUDA graph being captured, a profiler's launch hook, the interpreter, ``fast_launch`` off,
+    ``KIVI_CHECK_INDICES=1``, a change, of the default tuning too) a run is the ordinary call. ``tuning``: as in
+    :func:`paged_decode_attention` (None: ``tuning.DEFAULT.decode`` at each run). The fixed tensors may be written
+    to, not replaced or resized: build a new runner then (the cache does, whenever its block table or pool tensors
+    change).
     """
 
     def __init__(self, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
-                 key_bits: int, value_bits: int, group_size: int, sliding_window: int | None = None):
+                 key_bits: int, value_bits: int, group_size: int, sliding_window: int | None = None, *,
+                 tuning: _tuning.DecodeTuning | None = None):
         _util.checks().check_sliding_window(sliding_window)
         self.fixed = (block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v)
         self.bits = (key_bits, value_bits, group_size)
         self.sliding_window = sliding_window
+        self.tuning = tuning
         # the first runs' launches, one with and one without the step's token (the cache's decode steps pass it, its
         # flush steps do not: one template would be replaced, with an ordinary call, twice per flush)
         self._ready: dict[tuple, _Ready] = {}
@@ -1236,16 +1228,17 @@ class DecodeRunner:
     def run(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
         """Attention of one query token per sequence, ``q`` ``[B, Hq, D]``; returns ``[B, Hq, D]``."""
         which = (new_k is None, sink_logits is None)
+        t = _tuning.DEFAULT.decode if self.tuning is None else self.tuning
         r = self._ready.get(which)
-        if r is not None:
+        if r is not None and r.tuning is t:
             out = self._launch(r, q, res_lengths, sm_scale, new_k, new_v, sink_logits)
             if out is not None:
                 return out
         bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
         out = paged_decode_attention(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, res_lengths, *self.bits, sm_scale,
                                      new_k=new_k, new_v=new_v, sliding_window=self.sliding_window,
-                                     sink_logits=sink_logits)
-        r = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out, sink_logits)
+                                     sink_logits=sink_logits, tuning=t)
+        r = self._prepare(q, res_lengths, sm_scale, new_k, new_v, out, sink_logits, t)
         if r is None:
             self._ready.pop(which, None)
         else:
@@ -1267,7 +1260,7 @@ class DecodeRunner:
                                   or new_v.dtype != r.dtype or _cuda_index(new_k) != r.index
                                   or _cuda_index(new_v) != r.index):
             return None
-        if (torch.cuda.current_device() != r.index or _cuda_index(q) != r.index or _plan_env() != r.env
+        if (torch.cuda.current_device() != r.index or _cuda_index(q) != r.index
                 or torch.cuda.is_current_stream_capturing() or not no_launch_hooks()):
             return None
         stream = torch._C._cuda_getCurrentRawStream(r.index)
@@ -1298,11 +1291,12 @@ class DecodeRunner:
         self.fast_runs += 1
         return out
 
-    def _prepare(self, q, rl, sm_scale, new_k, new_v, out, sink=None) -> _Ready | None:
-        """After an ordinary run: the compiled kernels and argument lists it used, when a direct launch can repeat
-        it (else None: every run stays ordinary)."""
+    def _prepare(self, q, rl, sm_scale, new_k, new_v, out, sink=None, t=None) -> _Ready | None:
+        """After an ordinary run under the decode settings ``t``: the compiled kernels and argument lists it used,
+        when a direct launch can repeat it (else None: every run stays ordinary)."""
         index = _cuda_index(q)
-        if (not _util.FAST_LAUNCH or _util.CHECK_INDICES or interpreting() or index < 0
+        t = _decode_tuning(t)
+        if (not t.fast_launch or _util.CHECK_INDICES or interpreting() or index < 0
                 or torch.cuda.is_current_stream_capturing()):
             return None  # (KIVI_CHECK_INDICES=1: the index values are checked by the ordinary call, on every run)
         bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
@@ -1313,7 +1307,7 @@ class DecodeRunner:
         if any(t.stride(-1) != 1 for t in contiguous) or index != torch.cuda.current_device():
             return None  # the ordinary call made contiguous copies: nothing to repeat
         key = _plan_key(q, bt, ql, kc, ks, kz, vc, vs, vz, rk, rv, rl, out, *self.bits, None, False, False, nk3, nv3,
-                        self.sliding_window, sink)
+                        self.sliding_window, sink, t)
         plan = _PLANS.get(key)
         if plan is None or not plan.final or q.shape[0] == 0 or q.shape[1] == 0:
             return None
@@ -1331,7 +1325,7 @@ class DecodeRunner:
         r = _Ready()
         r.qshape, r.qstride, r.dtype, r.index = q.shape, q.stride(), q.dtype, index
         r.stream = torch._C._cuda_getCurrentRawStream(r.index)
-        r.scale, r.env, r.rl_dtype, r.oshape = sm_scale, _plan_env(), rl.dtype, out.shape
+        r.scale, r.tuning, r.rl_dtype, r.oshape = sm_scale, t, rl.dtype, out.shape
         r.new = None if new_k is None else new_k.shape
         r.nk, r.nv = (None, None) if new_k is None else (new_k.stride(), new_v.stride())
         nkp, nvp = (new_k.data_ptr(), new_v.data_ptr()) if new_k is not None else (0, 0)

@@ -1,8 +1,8 @@
 """quantize_and_write: quantize N key/value groups and write them into their pages.
 
-One launch, grid ``(N, H, 2)``: program ``(n, h, 0)`` reads ``k[n, h]`` and program
-``(n, h, 1)`` ``v[n, h]`` (``[G, D]`` each; ``KIVI_QUANT_SPLIT=0``: one program does both), and quantizes in fp32
-as :mod:`kivi_cache.quant` (the same bytes): values clamped to ``[-C, C]`` (``2**14`` for fp16 scales, ``2**126``
+One launch, grid ``(N, H, 2)``: program ``(n, h, 0)`` reads ``k[n, h]`` and program ``(n, h, 1)`` ``v[n, h]``
+(``[G, D]`` each; ``QuantTuning(split=False)``: one program does both), and quantizes in fp32 as
+:mod:`kivi_cache.quant` (the same bytes): values clamped to ``[-C, C]`` (``2**14`` for fp16 scales, ``2**126``
 else: every reconstruction stays finite); zero = min rounded to nearest in the storage dtype S, scale = (max - zero)
 / qmax rounded *up* in S; a NaN or inf element makes its group's scale and zero NaN and its codes 0. Codes are
 computed from the *rounded* values (``floor((x - zero) / scale + 0.5)``, IEEE division, clamped; scale 0 gives
@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from . import _util
-from ._util import Launcher, check_pool_strides, check_settings, env_reader
+from . import tuning as _tuning
+from ._util import Launcher, check_pool_strides, check_settings
 
 
 @triton.jit
@@ -120,14 +121,26 @@ def _quantize_write_kernel(
         _pack_tokens_store(tl.reshape(vcodes, [G, D]), vc_ptr + page * s_vcp + h * s_vch, slot, s_vct, G, D, VBITS)
 
 
+def _quant_tuning(t: _tuning.QuantTuning | None) -> _tuning.QuantTuning:
+    """``t``, or the default's quantize settings (read at each call)."""
+    t = _tuning.DEFAULT.quant if t is None else t
+    if not isinstance(t, _tuning.QuantTuning):
+        raise TypeError(f"tuning must be None or a kernels.tuning.QuantTuning, got {type(t).__name__}")
+    return t
+
+
 def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                       key_bits: int, value_bits: int, group_size: int) -> None:
+                       key_bits: int, value_bits: int, group_size: int, *,
+                       tuning: _tuning.QuantTuning | None = None) -> None:
     """Triton twin of :func:`kivi_cache.reference.quantize_and_write` (same arguments, in place).
 
     k, v: ``[N, H, G, D]`` (last dim contiguous); pool tensors with a contiguous
     last dim (other strides are passed to the kernel), zero points strided as their scales. Checked as the reference
-    (:func:`kivi_cache.checks.check_write`) and by :func:`kernels._util.check_pool_strides`.
+    (:func:`kivi_cache.checks.check_write`) and by :func:`kernels._util.check_pool_strides`. ``tuning`` (a
+    :class:`~kivi_cache.kernels.tuning.QuantTuning`; None: ``tuning.DEFAULT.quant``): programs per group, warps,
+    direct launches.
     """
+    t = _quant_tuning(tuning)
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _util.checks().check_write(k, v, pages, slots, pool, key_bits, value_bits, group_size)
     n, h, g, d = k.shape
@@ -141,17 +154,16 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     check_pool_strides(pool)
     pages = pages.contiguous()
     slots = slots.contiguous()
-    env = _quant_env()
-    split = int(env[0] or 1)
+    split = int(t.split)
     meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
                 BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
-                RECIP=k.device.type == "cuda", SPLIT=split, num_warps=int(env[1] or 4))
-    # everything that fixes the compiled kernel besides the pointers' alignment (kernels._util.Launcher): the
-    # decode step's flushes then launch it directly
+                RECIP=k.device.type == "cuda", SPLIT=split, num_warps=t.warps)
+    # everything that fixes the compiled kernel besides the pointers' alignment (kernels._util.Launcher; the tuning's
+    # settings are in meta): the decode step's flushes then launch it directly (None: Triton's own launch)
     key = (k.shape[1:], k.stride(), v.stride(), k.dtype, v.dtype, k.device, pages.dtype, slots.dtype, k_codes.shape,
            k_codes.stride(), k_scale.stride(), k_scale.dtype, k_zero.stride(), k_zero.dtype, v_codes.stride(),
            v_scale.stride(), v_scale.dtype, v_zero.stride(), v_zero.dtype, tuple(meta.items()))
-    _QUANT(key, (n, h, 1 + split), (
+    _QUANT(key if t.fast_launch else None, (n, h, 1 + split), (
         k, v, pages, slots,
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -161,7 +173,6 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2)), meta)
 
 
-_quant_env = env_reader(("KIVI_QUANT_SPLIT", "KIVI_QUANT_WARPS"))
 _QUANT = Launcher(_quantize_write_kernel)
 
 
@@ -242,9 +253,11 @@ def _append_flush_kernel(
 
 def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes, k_scale,
                      k_zero, v_codes, v_scale, v_zero, key_bits: int, value_bits: int, group_size: int,
-                     residual_length: int, sink_length: int) -> None:
+                     residual_length: int, sink_length: int, *, tuning: _tuning.QuantTuning | None = None) -> None:
     """Triton twin of :func:`kivi_cache.reference.append_and_flush` (same arguments, in place): one launch, grid
-    ``(B, H, 2)``; the lengths are read, never written."""
+    ``(B, H, 2)``; the lengths are read, never written. ``tuning``: as in :func:`quantize_and_write` (only its
+    ``fast_launch`` applies: four warps, one program per keys or values)."""
+    tun = _quant_tuning(tuning)
     _util.checks().check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
                                (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
                                residual_length, sink_length)
@@ -274,7 +287,7 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
            block_table.dtype, k_codes.shape, k_codes.stride(), k_scale.stride(), k_scale.dtype, k_zero.stride(),
            k_zero.dtype, v_codes.stride(), v_scale.stride(), v_scale.dtype, v_zero.stride(), v_zero.dtype,
            residual_length, sink_length, tuple(meta.items()))
-    _APPEND(key, (bsz, h, 2), (
+    _APPEND(key if tun.fast_launch else None, (bsz, h, 2), (
         new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), res_k.stride(0), res_k.stride(1),

@@ -25,7 +25,7 @@ register relabelling: join, permute, reshape).
 
 Scales enter as they are, zero points folded to ``z - 2**bits s`` (:func:`fold_scale`), both
 packed as pairs (:func:`pack2`), the layout of the fma operands. A code that already sits in the top
-mantissa bits of a half is not shifted there (2-bit keys, plane 0); ``SRCMIN`` (env ``KIVI_UNPACK_SRCMIN``,
+mantissa bits of a half is not shifted there (2-bit keys, plane 0); ``SRCMIN`` (``DecodeTuning.srcmin``,
 default exact) also lets codes lower in the mantissa be read in place, with the zero point folded with a
 larger power of two (:func:`field`: fewer shifts, a larger rounding of the folded zero point).
 """

@@ -10,7 +10,6 @@ forces the kernels (also on CPU under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -63,7 +62,7 @@ def _impl(device_type: str):
         mod = _load_kernels()
         if mod is None:
             raise RuntimeError(f"backend 'triton' requested but the kernels cannot load ({_kernel_error})")
-        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device_type != "cuda" and not mod.interpreting():
             raise RuntimeError(f"backend 'triton' runs the kernels on CUDA tensors, or on other devices only under "
                                f"TRITON_INTERPRET=1 (set before kivi_cache.kernels is imported); got {device_type} "
                                f"tensors (set_backend('auto') uses the torch path there, 'torch' the reference)")

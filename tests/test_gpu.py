@@ -320,18 +320,18 @@ def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
 
 def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
     """The decode op's plan cache and its direct launches of the compiled kernels (kernels._util.Launcher) give
-    bit for bit what Triton's own launch path gives, over calls that change the data, the lengths, the block
-    table's width (a new plan), the dtype and an environment setting; and the direct path is taken."""
+    bit for bit what Triton's own launch path (``fast_launch=False``) gives, over calls that change the data, the
+    lengths, the block table's width (a new plan), the dtype and a tuning setting; and the direct path is taken."""
     make_pool = _bench_kernels().make_pool
 
-    from kivi_cache.kernels import _util as U
     from kivi_cache.kernels import attention as A
+    from kivi_cache.kernels.tuning import DecodeTuning
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     p, d, hkv, hq, b = 64, 128, 8, 32, 3
     pool = make_pool(b, hkv, 4096, d, p, 32, 4, 4, torch.device("cuda"), gen)
 
-    def call(width, lengths, dtype, seed):
+    def call(width, lengths, dtype, seed, tuning=None):
         g2 = torch.Generator(device="cuda").manual_seed(seed)
         q = torch.randn(b, hq, d, device="cuda", generator=g2).to(dtype)
         rk = torch.randn(b, hkv, 160, d, device="cuda", generator=g2).to(dtype)
@@ -341,26 +341,23 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
         sc = {k: pool[k].to(dtype) for k in ("k_scale", "k_zero", "v_scale", "v_zero")}
         return A.paged_decode_attention(q, pool["block_table"][:, :width].contiguous(), ln, pool["k_codes"],
                                         sc["k_scale"], sc["k_zero"], pool["v_codes"], sc["v_scale"], sc["v_zero"],
-                                        rk, rv, rl, 4, 4, 32, 0.088)
+                                        rk, rv, rl, 4, 4, 32, 0.088, tuning=tuning)
 
     calls = [(64, [4096, 64, 1000], torch.float16, 1), (64, [4000, 2048, 1], torch.float16, 2),
              (64, [4096, 64, 1000], torch.float16, 3), (40, [2560, 64, 100], torch.float16, 4),
              (40, [2560, 2560, 0], torch.float16, 5), (64, [4096, 64, 1000], torch.bfloat16, 6),
              (64, [4096, 64, 1000], torch.bfloat16, 7)]
-    monkeypatch.setattr(U, "FAST_LAUNCH", False)
-    slow = [call(*c) for c in calls]
-    monkeypatch.setattr(U, "FAST_LAUNCH", True)
+    slow = [call(*c, tuning=DecodeTuning(fast_launch=False)) for c in calls]
     before = A._SPLIT.fast_launches
     for _ in range(2):
         fast = [call(*c) for c in calls]
         for c, x, y in zip(calls, slow, fast, strict=True):
             assert torch.equal(x, y), c
     assert A._SPLIT.fast_launches - before >= len(calls)  # the second round runs through the cached kernels
-    monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "512")  # a setting of the plan: planned again, still equal
-    monkeypatch.setattr(U, "FAST_LAUNCH", False)
-    slow2 = call(*calls[0])
-    monkeypatch.setattr(U, "FAST_LAUNCH", True)
-    assert torch.equal(call(*calls[0]), slow2) and torch.equal(call(*calls[0]), slow2)
+    # a setting of the plan: planned again, still equal
+    slow2 = call(*calls[0], tuning=DecodeTuning(split_min=512, fast_launch=False))
+    t = DecodeTuning(split_min=512)
+    assert torch.equal(call(*calls[0], tuning=t), slow2) and torch.equal(call(*calls[0], tuning=t), slow2)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -401,38 +398,39 @@ def _int4_decode_args(bk, b, hkv, ctx, gen, min_window):
 
 
 def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
-    """The split kernel's own merge (KIVI_DECODE_FUSE_MERGE=1) on the GPU (memory ordering: arrival counts with
+    """The split kernel's own merge (``fuse_merge=True``) on the GPU (memory ordering: arrival counts with
     acq_rel atomics, partials read through L2): many calls in a row, every (sequence, KV head) with the given paged
     splits plus the window's programs (64-slot chunks at these small batches: 4..18 partials, unrolled merge, and
-    41..131, KIVI_DECODE_MERGE_MAX=256: the merge's loop), against the two-kernel path."""
+    41..131, ``merge_max`` 256: the merge's loop), against the two-kernel path."""
     from kivi_cache.kernels import attention as A
+    from kivi_cache.kernels.tuning import DecodeTuning
 
     bk = _bench_kernels()
     gen = torch.Generator(device="cuda").manual_seed(3)
-    monkeypatch.setenv("KIVI_DECODE_MERGE_MAX", "256")
+    unfused, fused = DecodeTuning(merge_max=256, fuse_merge=False), DecodeTuning(merge_max=256, fuse_merge=True)
     for b, hkv, ctx, splits in ((1, 8, 1024, 3), (4, 8, 4096, 15), (8, 2, 2048, 1), (3, 4, 3008, 7),
                                 (1, 8, 32768, 128), (2, 4, 8192, 40)):
         args = _int4_decode_args(bk, b, hkv, ctx, gen, min_window=0)
-        monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
-        two = A.paged_decode_attention(*args, num_splits=splits)
-        monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
+        two = A.paged_decode_attention(*args, num_splits=splits, tuning=unfused)  # the merge kernel
         for _ in range(20):
-            one = A.paged_decode_attention(*args, num_splits=splits)
+            one = A.paged_decode_attention(*args, num_splits=splits, tuning=fused)
             assert any(p.merge_meta is not None and p.ints[1] == splits for p in A._PLANS.values())  # NS paged splits
             err = ((one.float() - two.float()).norm() / two.float().norm()).item()
             assert err < 1e-3, (b, hkv, ctx, splits, err)
-        monkeypatch.delenv("KIVI_DECODE_FUSE_MERGE")
 
 
-@pytest.mark.parametrize("merge", ["0", "1"])
+@pytest.mark.parametrize("merge", [False, True])
 def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
     """kernels.DecodeRunner (plan once, then direct launches with the first call's argument list, only the changing
     pointers replaced) against the ordinary op, bit for bit: fresh queries, window lengths and new tokens every call,
     with and without the step's token written by the kernel and the in-kernel merge; a change of settings, strides
-    or the token's presence goes through the ordinary call again."""
+    or the token's presence goes through the ordinary call again. The runners and calls run under ``tuning.DEFAULT``
+    (the cache's way), set here."""
     from kivi_cache.kernels import attention as A
+    from kivi_cache.kernels import tuning as T
 
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)
+    default = T.Tuning(decode=T.DecodeTuning(fuse_merge=merge))
+    monkeypatch.setattr(T, "DEFAULT", default)
     bk = _bench_kernels()
     gen = torch.Generator(device="cuda").manual_seed(5)
     dev = torch.device("cuda")
@@ -458,11 +456,12 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
             assert torch.equal(run.run(qt, rl, 0.088, **new), A.paged_decode_attention(qt, *fixed, rl, *bits, 0.088,
                                                                                         **new))
             assert run.fast_runs >= 6
-        monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "512")  # a plan setting: the ordinary call again, then direct
+        # a plan setting of the default: the ordinary call again, then direct
+        monkeypatch.setattr(T, "DEFAULT", T.Tuning(decode=T.DecodeTuning(fuse_merge=merge, split_min=512)))
         run = A.DecodeRunner(*fixed, *bits)
         for _ in range(3):
             assert torch.equal(run.run(q, rl, 0.088), A.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
-        monkeypatch.delenv("KIVI_DECODE_SPLIT_MIN")
+        monkeypatch.setattr(T, "DEFAULT", default)
         assert torch.equal(run.run(q, rl, 0.088), A.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
         assert run.fast_runs == 2
         # a window length or step token on the CPU after direct runs: the ordinary call, whose check names it

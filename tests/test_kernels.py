@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kivi_cache import kernels as K
 from kivi_cache import reference as R
 from kivi_cache.kernels import attention as KA
+from kivi_cache.kernels import tuning as KT
 from kivi_cache.quant import qmax, unpack
 
 ON_GPU = os.environ.get("KIVI_TEST_GPU") == "1" and torch.cuda.is_available()
@@ -84,6 +85,12 @@ def run_decode(args, tag, **kw):
     assert out.dtype == ref.dtype and out.shape == ref.shape
     err = rel_err(out, ref, tag)
     assert err < TOL[q.dtype], f"{tag}: relative error {err:.2e}"
+
+
+def patch_default_decode_tuning(monkeypatch, **fields):
+    """``kernels.tuning.DEFAULT`` with these decode settings for the rest of the test: for code the test does not
+    call directly (``ops.DecodeRunner``, the compiled-mode op), which runs under the default."""
+    monkeypatch.setattr(KT, "DEFAULT", KT.Tuning(decode=KT.DecodeTuning(**fields)))
 
 
 def window_with_token(res_k, res_v, res_lengths, new_k, new_v):
@@ -183,11 +190,10 @@ def test_quantize_and_write(kb, vb, dtype):
             or step <= pool_r[1][5, :, 0].float().max().item() * 1.01)
 
 
-@pytest.mark.parametrize("split", ["0", "1"])
-def test_quantize_and_write_programs(monkeypatch, split):
-    """Keys and values in separate programs (the default, KIVI_QUANT_SPLIT=1) or one program for both: the same
+@pytest.mark.parametrize("split", [False, True])
+def test_quantize_and_write_programs(split):
+    """Keys and values in separate programs (the default, ``QuantTuning.split``) or one program for both: the same
     bytes as the reference, other pages untouched."""
-    monkeypatch.setenv("KIVI_QUANT_SPLIT", split)
     n, h, g, d, p = 3, 3, 32, 64, 64
     k = torch.randn(n, h, g, d, device=DEV).to(torch.float16)
     v = torch.randn(n, h, g, d, device=DEV).to(torch.float16)
@@ -195,7 +201,7 @@ def test_quantize_and_write_programs(monkeypatch, split):
     base = tuple(t.fill_(float("nan")) if t.is_floating_point() else t
                  for t in make_pool(4, h, p, d, g, 4, 2, torch.float16))
     pool_k, pool_r = tuple(t.clone() for t in base), tuple(t.clone() for t in base)
-    K.quantize_and_write(k, v, pages, slots, *pool_k, 4, 2, g)
+    K.quantize_and_write(k, v, pages, slots, *pool_k, 4, 2, g, tuning=KT.QuantTuning(split=split))
     R.quantize_and_write(k, v, pages, slots, *pool_r, 4, 2, g)
     for a, b_ in zip(pool_k, pool_r, strict=True):
         assert torch.equal(a.nan_to_num(7.0), b_.nan_to_num(7.0))
@@ -423,11 +429,10 @@ def test_resident_programs_and_split_waves():
     (32, 8, 32768, 4, 11),  # d=256: 4 programs per SM; the fill (24 programs per SM) gives the same splits
     (1, 8, 131072, 4, 131),  # 4 per SM: one wave is 66 splits, two waves of 1024-token splits
 ])
-def test_split_count_rule(monkeypatch, bsz, hkv, ctx, resident, splits):
+def test_split_count_rule(bsz, hkv, ctx, resident, splits):
     from kivi_cache.kernels import attention as A
-    for name in ("KIVI_DECODE_RESIDENT", "KIVI_DECODE_FILL", "KIVI_DECODE_SPLIT_LONG", "KIVI_DECODE_SPLIT_MIN"):
-        monkeypatch.delenv(name, raising=False)
-    assert A.split_count(bsz, hkv, ctx, 132, resident) == splits
+    assert A.split_count(bsz, hkv, ctx, 132, resident, t=KT.DecodeTuning()) == splits  # the default settings
+    assert A.split_count(bsz, hkv, ctx, 132, resident) == splits  # (which tuning.DEFAULT holds)
 
 
 def test_decode_head_dim_128():
@@ -486,13 +491,13 @@ def test_decode_hypothesis(bsz, hkv, grp, bits, page_groups, data):
 @given(
     bsz=st.integers(1, 3),
     grp=st.sampled_from([1, 4]),
-    fuse=st.sampled_from(["0", "1"]),
+    fuse=st.booleans(),
     newkv=st.booleans(),
     data=st.data(),
 )
 def test_decode_window_chunks_hypothesis(bsz, grp, fuse, newkv, data):
-    """Random window lengths (0..150 of 150 slots) read in 64-slot chunks (KIVI_DECODE_RCHUNK=64: three programs per
-    (sequence, KV head)), random paged lengths, the step's token written by the kernel or not, merged in the split
+    """Random window lengths (0..150 of 150 slots) read in 64-slot chunks (``DecodeTuning(rchunk=64)``: three programs
+    per (sequence, KV head)), random paged lengths, the step's token written by the kernel or not, merged in the split
     kernel or by the merge kernel: the reference's output and window."""
     lengths = [n * 32 for n in data.draw(st.lists(st.integers(0, 4), min_size=bsz, max_size=bsz))]
     res = data.draw(st.lists(st.integers(0, 150), min_size=bsz, max_size=bsz))
@@ -503,11 +508,9 @@ def test_decode_window_chunks_hypothesis(bsz, grp, fuse, newkv, data):
         new = dict(new_k=torch.randn(bsz, 1, 64, device=DEV), new_v=torch.randn(bsz, 1, 64, device=DEV))
         want_k, want_v = window_with_token(args[9], args[10], args[11], new["new_k"], new["new_v"])
     ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
-    with pytest.MonkeyPatch.context() as mp:  # (hypothesis: no function-scoped monkeypatch fixture)
-        mp.setenv("KIVI_DECODE_RCHUNK", "64")
-        mp.setenv("KIVI_DECODE_FUSE_MERGE", fuse)
-        rk, rv = args[9].clone(), args[10].clone()
-        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], **new)
+    rk, rv = args[9].clone(), args[10].clone()
+    out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], tuning=KT.DecodeTuning(rchunk=64, fuse_merge=fuse),
+                                   **new)
     assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
     assert rel_err(out, ref, "decode window chunks hypothesis") < TOL[torch.float32]
 
@@ -606,25 +609,24 @@ def test_decode_half_precision_dot_path(kb, vb, g):
 
 @pytest.mark.parametrize("srcmin", [6, 4])
 @pytest.mark.parametrize("kb,vb,g", [(4, 4, 32), (2, 2, 32), (4, 2, 64), (4, 4, 64)])
-def test_decode_half_dot_codes_read_in_place(kb, vb, g, srcmin, monkeypatch):
-    """KIVI_UNPACK_SRCMIN: codes read where they sit in the mantissa, zero points folded with that field's power of
-    two (unpack.field); 4-bit keys in groups of 64 (ODD pairs) fold their two pairs with different powers."""
-    monkeypatch.setenv("KIVI_UNPACK_SRCMIN", str(srcmin))
+def test_decode_half_dot_codes_read_in_place(kb, vb, g, srcmin):
+    """``DecodeTuning.srcmin``: codes read where they sit in the mantissa, zero points folded with that field's power
+    of two (unpack.field); 4-bit keys in groups of 64 (ODD pairs) fold their two pairs with different powers."""
     args = decode_case(2, 2, 4, 64, 128, g, kb, vb, torch.float16, [96, 192], [5, 17])
-    run_decode(args, f"decode half-dot srcmin{srcmin} {kb}/{vb}", _force_half_dot=True)
+    run_decode(args, f"decode half-dot srcmin{srcmin} {kb}/{vb}", _force_half_dot=True,
+               tuning=KT.DecodeTuning(srcmin=srcmin))
 
 
-def test_decode_rejects_an_unknown_srcmin(monkeypatch):
-    monkeypatch.setenv("KIVI_UNPACK_SRCMIN", "5")
+def test_decode_rejects_an_unknown_srcmin():
     args = decode_case(1, 2, 4, 64, 128, 32, 4, 4, torch.float16, [96], [5])
-    with pytest.raises(ValueError, match="KIVI_UNPACK_SRCMIN"):
-        run_decode(args, "srcmin 5", _force_half_dot=True)
+    with pytest.raises(ValueError, match="srcmin must be one of"):
+        run_decode(args, "srcmin 5", _force_half_dot=True, tuning=KT.DecodeTuning(srcmin=5))
 
 
-def test_decode_value_hint_setting(monkeypatch):
-    """KIVI_DECODE_VHINT: auto (on with 64-token steps at head_dim >= 128, and at head_dim 64 for 2/4 bits), 1, 0 give
-    the reference's output (the hint only declares an alignment; its effect on the copies is checked in test_sass.py);
-    other values are refused."""
+def test_decode_value_hint_setting():
+    """``DecodeTuning.vhint``: None, the policy (on with 64-token steps at head_dim >= 128, and at head_dim 64 for 2/4
+    bits), True, False give the reference's output (the hint only declares an alignment; its effect on the copies is
+    checked in test_sass.py); other values are refused."""
     from kivi_cache.kernels import attention as A
 
     auto = {(d, step, kb, vb): A._vhint(d, step, kb, vb)["VHINT"] for d in (64, 128, 256) for step in (32, 64)
@@ -633,13 +635,13 @@ def test_decode_value_hint_setting(monkeypatch):
     assert auto[128, 64, 2, 2] == auto[64, 64, 4, 4] == auto[64, 64, 2, 2] == auto[64, 64, 4, 2] == 1
     assert auto[64, 64, 8, 4] == auto[64, 64, 4, 8] == auto[128, 32, 4, 4] == auto[64, 32, 2, 2] == 0
     args = decode_case(2, 2, 2, 128, 64, 32, 4, 4, torch.float16, [96, 150], [5, 33])
-    for v in ("1", "0"):
-        monkeypatch.setenv("KIVI_DECODE_VHINT", v)
-        assert A._vhint(64, 32, 2, 2) == {"VHINT": int(v)}
-        run_decode(args, f"decode vhint {v}", _force_half_dot=True)
-    monkeypatch.setenv("KIVI_DECODE_VHINT", "yes")
-    with pytest.raises(ValueError, match="KIVI_DECODE_VHINT"):
-        run_decode(args, "vhint yes", _force_half_dot=True)
+    assert auto == {k: A._vhint(*k, KT.DecodeTuning(vhint=None))["VHINT"] for k in auto}  # the default: the policy
+    for v in (True, False):
+        t = KT.DecodeTuning(vhint=v)
+        assert A._vhint(64, 32, 2, 2, t) == {"VHINT": int(v)}
+        run_decode(args, f"decode vhint {v}", _force_half_dot=True, tuning=t)
+    with pytest.raises(ValueError, match="DecodeTuning.vhint must be None"):
+        run_decode(args, "vhint yes", _force_half_dot=True, tuning=KT.DecodeTuning(vhint="yes"))
 
 
 @triton.jit
@@ -667,7 +669,7 @@ def _key_words_probe(s_ptr, z_ptr, out_ptr, s_row, GPS: tl.constexpr, D: tl.cons
 
 @pytest.mark.parametrize("nk", [4, 2], ids=["2bit", "4bit"])
 def test_key_words_split_every_planes_words(nk):
-    """_key_words4 / _key_words2 (KIVI_DECODE_KSZ=1, 2-/4-bit keys): one [2, GPS, D/2] load of the step's key scale
+    """_key_words4 / _key_words2 (KSZ, 2-/4-bit keys): one [2, GPS, D/2] load of the step's key scale
     and zero words, split in registers into plane k = words k D/(2 NK) .. (k+1) D/(2 NK) of each group row; checked
     here against torch slicing on random words (the decode kernel takes this path only with the GPU's inline-PTX
     unpack, which the interpreter cannot run)."""
@@ -683,13 +685,12 @@ def test_key_words_split_every_planes_words(nk):
 
 
 def test_decode_key_scale_words_setting(monkeypatch):
-    """KIVI_DECODE_KSZ: ``auto`` (default) asks for the one-load key scales with 2- and 4-bit keys at head_dim 64,
-    and at 128 for fp16, and for bf16 under Triton 3.6 (timed faster there; neutral under 3.9, where a bf16 build
-    spills with it; 256 unmeasured), ``1`` always, ``0`` never; others
-    refused. The decode op's output is the reference's either way: under KIVI_TEST_GPU=1 through the inline-PTX
-    build (``0`` takes the per-plane loads, the default the one-load path); under the interpreter (no PTX) the
-    setting changes nothing, and test_sass.py checks the GPU build's SASS instead."""
-    monkeypatch.delenv("KIVI_DECODE_KSZ", raising=False)
+    """``DecodeTuning.ksz``: None (the default, the policy) asks for the one-load key scales with 2- and 4-bit keys at
+    head_dim 64, and at 128 for fp16, and for bf16 under Triton 3.6 (timed faster there; neutral under 3.9, where a
+    bf16 build spills with it; 256 unmeasured), True always, False never; others refused. The decode op's output is
+    the reference's either way: under KIVI_TEST_GPU=1 through the inline-PTX build (False takes the per-plane loads,
+    the default the one-load path); under the interpreter (no PTX) the setting changes nothing, and test_sass.py
+    checks the GPU build's SASS instead."""
     t36 = int(triton.__version__.startswith("3.6"))  # bf16 at head_dim 128: on under 3.6 only (timed faster there)
     assert KA._ksz(64, 2) == KA._ksz(128, 4) == KA._ksz(64, 4, True) == {"KSZ": 1}
     assert KA._ksz(128, 2, True) == KA._ksz(128, 4, True) == {"KSZ": t36}
@@ -702,14 +703,12 @@ def test_decode_key_scale_words_setting(monkeypatch):
     assert KA._ksz(128, 2, True) == {"KSZ": 1 - t36} and KA._ksz(128, 2) == {"KSZ": 1}
     args = decode_case(2, 2, 2, 64, 64, 32, 2, 2, torch.float16, [96, 150], [5, 33])
     run_decode(args, "decode ksz default", _force_half_dot=True)
-    monkeypatch.setenv("KIVI_DECODE_KSZ", "1")
-    assert KA._ksz(128, 2, True) == {"KSZ": 1} and KA._ksz(64, 8) == {"KSZ": 0}
-    monkeypatch.setenv("KIVI_DECODE_KSZ", "0")
-    assert KA._ksz(64, 2) == KA._ksz(128, 4) == {"KSZ": 0}
-    run_decode(args, "decode ksz 0", _force_half_dot=True)
-    monkeypatch.setenv("KIVI_DECODE_KSZ", "yes")
-    with pytest.raises(ValueError, match="KIVI_DECODE_KSZ must be one of auto, 0, 1"):
-        run_decode(args, "ksz yes", _force_half_dot=True)
+    on, off = KT.DecodeTuning(ksz=True), KT.DecodeTuning(ksz=False)
+    assert KA._ksz(128, 2, True, on) == {"KSZ": 1} and KA._ksz(64, 8, t=on) == {"KSZ": 0}
+    assert KA._ksz(64, 2, t=off) == KA._ksz(128, 4, t=off) == {"KSZ": 0}
+    run_decode(args, "decode ksz 0", _force_half_dot=True, tuning=off)
+    with pytest.raises(ValueError, match="DecodeTuning.ksz must be None"):
+        run_decode(args, "ksz yes", _force_half_dot=True, tuning=KT.DecodeTuning(ksz="yes"))
 
 
 @pytest.mark.parametrize("splits", [3, 6])
@@ -725,16 +724,16 @@ def test_decode_plans_are_reused_per_shape_and_setting(monkeypatch):
     setting makes a new plan. On a GPU the first call of a kernel configuration is not kept (it is planned again
     once the compiled kernel's residency is known, ``_RESIDENT``), so every new setting is called twice here: the
     count then does not depend on which tests ran before in the process (it did: the fp16 case failed on the H200
-    when this test ran without the earlier ones, session 27)."""
+    when this test ran without the earlier ones, session 27). An equal tuning object is the same setting."""
     from kivi_cache.kernels import attention as A
 
     A._PLANS.clear()
     monkeypatch.setattr(A, "_RESIDENT", {})
 
-    def run(width, dtype, seed):
+    def run(width, dtype, seed, **kw):
         torch.manual_seed(seed)
         args = decode_case(2, 2, 2, 64, 64, 32, 4, 4, dtype, [96, 160], [3, 17], c=32, width=width)
-        run_decode(args, f"decode plan {dtype}")
+        run_decode(args, f"decode plan {dtype}", **kw)
 
     run(4, torch.float32, 0)
     run(4, torch.float32, 1)
@@ -746,9 +745,10 @@ def test_decode_plans_are_reused_per_shape_and_setting(monkeypatch):
     assert len(A._PLANS) == 3
     run(4, torch.float16, 5)
     assert len(A._PLANS) == 3
-    monkeypatch.setenv("KIVI_DECODE_SPLIT_MIN", "128")
-    run(4, torch.float32, 6)
-    run(4, torch.float32, 7)
+    run(4, torch.float32, 6, tuning=KT.DecodeTuning(split_min=128))
+    run(4, torch.float32, 7, tuning=KT.DecodeTuning(split_min=128))
+    assert len(A._PLANS) == 4
+    run(4, torch.float32, 8, tuning=KT.DecodeTuning())  # the default's settings: the first plan
     assert len(A._PLANS) == 4
 
 
@@ -781,15 +781,14 @@ def test_decode_writes_the_new_token_into_the_window_then_attends(dtype, grp, fo
     assert q.shape == (bsz, hkv * grp, d)
 
 
-@pytest.mark.parametrize("newkv,fuse", [(False, "0"), (True, "1"), (True, "0")])
-def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
-    """KIVI_DECODE_RCHUNK=64: a 150-slot window read by three programs (windows empty, inside one chunk, at and past
-    the chunks' edges, full); with the step's token written by the chunk that holds its slot, merged by the merge
+@pytest.mark.parametrize("newkv,fuse", [(False, False), (True, True), (True, False)])
+def test_window_read_in_chunks_by_several_programs(newkv, fuse):
+    """``DecodeTuning(rchunk=64)``: a 150-slot window read by three programs (windows empty, inside one chunk, at and
+    past the chunks' edges, full); with the step's token written by the chunk that holds its slot, merged by the merge
     kernel or in the split kernel: the reference's output and window; the plan has NS + 3 programs per pair."""
     from kivi_cache.kernels import attention as A
 
-    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "64")
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", fuse)
+    t = KT.DecodeTuning(rchunk=64, fuse_merge=fuse)
     bsz, hkv, grp, d, p, g = 6, 1, 2, 64, 64, 32
     rls = [0, 5, 64, 65, 129, 150]
     args = list(decode_case(bsz, hkv, grp, d, p, g, 4, 4, torch.float32, [64, 0, 96, 32, 160, 64], rls, c=150))
@@ -802,14 +801,13 @@ def test_window_read_in_chunks_by_several_programs(monkeypatch, newkv, fuse):
     ref = R.paged_decode_attention(*args[:9], want_k, want_v, *args[11:])
     for _ in range(2):  # on a GPU the plan is kept from the second call (once the kernel's residency is known)
         rk, rv = res_k.clone(), res_v.clone()
-        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], **new)
+        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], tuning=t, **new)
         assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
         err = rel_err(out, ref, f"decode window chunks newkv={newkv} fuse={fuse}")
         assert err < TOL[torch.float32], err
     plans = [pl for pl in A._PLANS.values() if pl.rows == bsz * hkv * grp and pl.grid[0] == bsz * hkv]
     assert plans and all(pl.nsp1 == pl.ints[1] + 3 and pl.ints[2] == 64 for pl in plans)
-    assert A.window_chunk(bsz * hkv, 150, 32, torch.device("cpu")) == 64  # the setting, rounded to whole steps
-    monkeypatch.delenv("KIVI_DECODE_RCHUNK")
+    assert A.window_chunk(bsz * hkv, 150, 32, torch.device("cpu"), t) == 64  # the setting, rounded to whole steps
     assert A.window_chunk(8, 164, 32, torch.device("cpu")) >= 164  # one program for the window: the CPU default
 
 
@@ -823,8 +821,9 @@ def test_window_chunks_only_where_they_change_no_paged_split(monkeypatch, bsz, h
     splits instead of 2 of 32, measured 5.6% slower; 1 x 8 x 128k: 129 instead of 131). The plan alone."""
     from kivi_cache.kernels import attention as A
 
-    monkeypatch.setattr(A, "window_chunk", lambda pairs, cap, blk, dev: 64)
-    monkeypatch.setattr(A, "_pick_splits", lambda b, h, w, dev, res, chunks=1: A.split_count(b, h, w, 132, 8, chunks))
+    monkeypatch.setattr(A, "window_chunk", lambda pairs, cap, blk, dev, t=None: 64)
+    monkeypatch.setattr(A, "_pick_splits",
+                        lambda b, h, w, dev, res, chunks=1, t=None: A.split_count(b, h, w, 132, 8, chunks, t))
     q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(bsz, hkv, 1, 64, 64, 32, 4, 4, torch.float32,
                                                                [70] * bsz, [7] * bsz, c=160, width=width)
     plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None, False, False)
@@ -833,32 +832,31 @@ def test_window_chunks_only_where_they_change_no_paged_split(monkeypatch, bsz, h
         assert plan.ints[2] == 64 and plan.nsp1 == ns + 3
     else:
         assert plan.ints[2] >= 160 and plan.nsp1 == ns + 1
-    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "64")  # the setting: chunks whatever the rule says
-    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None, False, False)
+    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None, False, False,
+                         tuning=KT.DecodeTuning(rchunk=64))  # the setting: chunks whatever the rule says
     assert plan.ints[2] == 64 and plan.nsp1 == plan.ints[1] + 3
 
 
 @pytest.mark.parametrize("grp,splits", [(1, 1), (3, 4), (8, 15), (4, 20)])
 def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
-    """The split kernel merging (here KIVI_DECODE_FUSE_MERGE=1; by default at small batches): the last program of
-    each (sequence, KV head) merges the NS + 1 partials (up to KIVI_DECODE_MERGE_MAX, default MERGE_MAX, of them,
+    """The split kernel merging (here ``fuse_merge=True``; by default at small batches): the last program of
+    each (sequence, KV head) merges the NS + 1 partials (up to ``DecodeTuning.merge_max``, MERGE_MAX, of them,
     unrolled up to 16 and in a loop beyond, as at 21 here; and while GP x BM <= 1024; else the merge kernel as
     before: test_in_kernel_merge_plan_limits); outputs
     match the two-kernel path and the reference, the merge kernel is not launched, and the arrival counts are left
     at zero for the next call."""
     from kivi_cache.kernels import attention as A
 
-    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "4096")  # one window program on every device (NS + 1 partials)
+    # one window program on every device (NS + 1 partials); the merge kernel, then the split kernel's merge
+    unfused, fused_t = KT.DecodeTuning(rchunk=4096, fuse_merge=False), KT.DecodeTuning(rchunk=4096, fuse_merge=True)
     args = decode_case(3, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300, 0, 64], [7, 0, 130], c=160)
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # the merge kernel
-    two = K.paged_decode_attention(*args, num_splits=splits)
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
+    two = K.paged_decode_attention(*args, num_splits=splits, tuning=unfused)
     launched = []
     real = A._REDUCE
     monkeypatch.setattr(A, "_REDUCE", lambda *a: launched.append(1) or real(*a))
     for _ in range(2):  # the second call reuses the plan and its counts
         out = torch.full_like(args[0], float("nan"))
-        K.paged_decode_attention(*args, num_splits=splits, out=out)
+        K.paged_decode_attention(*args, num_splits=splits, out=out, tuning=fused_t)
         assert torch.isfinite(out).all()
         assert rel_err(out, two, f"fused merge g{grp} s{splits}") < 1e-5
         assert rel_err(out, R.paged_decode_attention(*args), f"fused merge ref g{grp} s{splits}") < TOL[torch.float32]
@@ -884,7 +882,7 @@ def test_compiled_mode_op_never_merges_in_the_kernel(monkeypatch):
     from kivi_cache.kernels import attention as A
 
     args = decode_case(2, 2, 4, 64, 64, 32, 4, 4, torch.float32, [150, 64], [7, 33], c=48)
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "auto")
+    patch_default_decode_tuning(monkeypatch, fuse_merge=None)  # the policy: merge in the kernel at small batches
     launched = []
     real = A._REDUCE
     monkeypatch.setattr(A, "_REDUCE", lambda *a: launched.append(1) or real(*a))
@@ -901,21 +899,19 @@ def test_compiled_mode_op_never_merges_in_the_kernel(monkeypatch):
     assert rel_err(out, fused, "compiled-mode op vs in-kernel merge") < 1e-5
 
 
-@pytest.mark.parametrize("grp,splits,merge_max,fused", [(4, 15, "16", True), (4, 16, "16", False), (4, 16, None, True),
-                                                         (4, 130, "256", True), (8, 130, "256", False),
-                                                         (4, 130, "100", False), (2, 300, "512", True)])
-def test_in_kernel_merge_plan_limits(monkeypatch, grp, splits, merge_max, fused):
-    """Where the split kernel merges (the plan alone, no launch): at most KIVI_DECODE_MERGE_MAX partials (default
-    MERGE_MAX = 256) and GP x BM <= 1024 (the merging program's partial maxima and sums in registers)."""
+@pytest.mark.parametrize("grp,splits,merge_max,fused", [(4, 15, 16, True), (4, 16, 16, False), (4, 16, None, True),
+                                                         (4, 130, 256, True), (8, 130, 256, False),
+                                                         (4, 130, 100, False), (2, 300, 512, True)])
+def test_in_kernel_merge_plan_limits(grp, splits, merge_max, fused):
+    """Where the split kernel merges (the plan alone, no launch): at most ``DecodeTuning.merge_max`` partials
+    (default MERGE_MAX = 256) and GP x BM <= 1024 (the merging program's partial maxima and sums in registers)."""
     from kivi_cache.kernels import attention as A
 
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
-    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "4096")  # one window program on every device (NS + 1 partials)
-    if merge_max is not None:
-        monkeypatch.setenv("KIVI_DECODE_MERGE_MAX", merge_max)
+    # one window program on every device (NS + 1 partials)
+    t = KT.DecodeTuning(fuse_merge=True, rchunk=4096, **({} if merge_max is None else {"merge_max": merge_max}))
     q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(1, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300],
                                                                [7], c=160)
-    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, splits, False, False)
+    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, splits, False, False, tuning=t)
     assert plan.nsp1 == splits + 1 and (plan.merge_meta is not None) == fused
     if fused:
         assert plan.merge_meta["BM"] >= splits + 1 and plan.merge_meta["MERGE"] == 1
@@ -996,12 +992,11 @@ def test_decode_sliding_window_matches_brute_force(case):
             assert rel_err(out, want, f"sliding decode {case}") < TOL[torch.float32], (w, splits)
 
 
-@pytest.mark.parametrize("newkv,fuse", [(True, "1"), (False, "0")])
-def test_decode_sliding_window_chunked_window_and_new_token(monkeypatch, newkv, fuse):
+@pytest.mark.parametrize("newkv,fuse", [(True, True), (False, False)])
+def test_decode_sliding_window_chunked_window_and_new_token(newkv, fuse):
     """The sliding window across a residual window read in 64-slot chunks (some chunks wholly hidden), with the
     step's token written by the kernel, merged in the split kernel or by the merge kernel; fp16."""
-    monkeypatch.setenv("KIVI_DECODE_RCHUNK", "64")
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", fuse)
+    t = KT.DecodeTuning(rchunk=64, fuse_merge=fuse)
     bsz, d = 4, 64
     args = list(decode_case(bsz, 1, 4, d, 64, 32, 2, 4, torch.float16, [64, 0, 96, 160], [150, 130, 70, 1], c=150))
     new = {}
@@ -1009,7 +1004,7 @@ def test_decode_sliding_window_chunked_window_and_new_token(monkeypatch, newkv, 
         new = dict(new_k=torch.randn(bsz, 1, d, device=DEV).half(), new_v=torch.randn(bsz, 1, d, device=DEV).half())
     for w in (10, 66, 140, 230):
         rk, rv = args[9].clone(), args[10].clone()
-        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], sliding_window=w, **new)
+        out = K.paged_decode_attention(*args[:9], rk, rv, *args[11:], sliding_window=w, tuning=t, **new)
         if newkv:
             want_k, want_v = window_with_token(args[9], args[10], args[11], new["new_k"], new["new_v"])
             assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
@@ -1069,12 +1064,12 @@ def sink_values(hq, kind):
 
 
 @pytest.mark.parametrize("kind", ["normal", "high", "low", "mixed"])
-@pytest.mark.parametrize("fuse", ["0", "1"])
-def test_decode_sink_logits_match_brute_force(monkeypatch, kind, fuse):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_decode_sink_logits_match_brute_force(kind, fuse):
     """``sink_logits`` in the decode op (merged by the split kernel's last program or by the merge kernel) and the
     reference against the fp64 oracle, with and without a sliding window and forced splits, including a sequence
     with no pages; with the sinks ignored the outputs are far off (so the test can fail)."""
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", fuse)
+    t = KT.DecodeTuning(fuse_merge=fuse)
     args = decode_case(3, 2, 4, 64, 64, 32, 4, 2, torch.float32, [160, 0, 64], [9, 3, 33], c=40)
     sinks = sink_values(8, kind)
     for w in (None, 50):
@@ -1083,11 +1078,11 @@ def test_decode_sink_logits_match_brute_force(monkeypatch, kind, fuse):
         assert rel_err(ref, want, "sink reference") < 1e-5, w
         for splits in (None, 3):
             out = torch.full_like(args[0], float("nan"))
-            K.paged_decode_attention(*args, out=out, sliding_window=w, num_splits=splits, sink_logits=sinks)
+            K.paged_decode_attention(*args, out=out, sliding_window=w, num_splits=splits, sink_logits=sinks, tuning=t)
             assert torch.isfinite(out).all()
             assert rel_err(out, want, "sink decode") < TOL[torch.float32], (w, splits)
         if kind in ("normal", "mixed", "high"):
-            plain = K.paged_decode_attention(*args, sliding_window=w)
+            plain = K.paged_decode_attention(*args, sliding_window=w, tuning=t)
             assert rel_err(plain, want, "sink ignored") > 0.05
 
 
@@ -1096,7 +1091,7 @@ def test_decode_sink_logits_half_precision_runner_and_new_token(monkeypatch):
     the kernel; the runner's plain and sink runs do not share a launch."""
     from kivi_cache import ops
 
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "1")
+    patch_default_decode_tuning(monkeypatch, fuse_merge=True)
     bsz, d = 2, 64
     args = list(decode_case(bsz, 2, 2, d, 64, 32, 4, 4, torch.float16, [128, 32], [5, 17], c=24))
     sinks = sink_values(4, "mixed").to(torch.bfloat16)

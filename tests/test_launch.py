@@ -1,15 +1,17 @@
-"""kernels._util.Launcher (direct launches of a compiled kernel; on unless KIVI_FAST_LAUNCH=0) without a GPU: the
-argument list it rebuilds is the one Triton's own launch passes, and the decode op's call sites fit the kernels'
-parameter layout. On a GPU, tests/test_gpu.py::test_cached_launches_give_the_full_launch_paths_outputs compares
-outputs."""
+"""kernels._util.Launcher (direct launches of a compiled kernel; on unless the tuning's ``fast_launch`` is off)
+without a GPU: the argument list it rebuilds is the one Triton's own launch passes, and the decode op's call sites fit
+the kernels' parameter layout. On a GPU, tests/test_gpu.py::test_cached_launches_give_the_full_launch_paths_outputs
+compares outputs."""
 
 import inspect
 
 import pytest
 import torch
+import triton
 
 from kivi_cache.kernels import _util as U
 from kivi_cache.kernels import attention as A
+from kivi_cache.kernels import tuning as T
 
 
 class _Param:
@@ -44,8 +46,7 @@ class _JIT:
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    """The launcher's GPU-only parts made to run here: fast path on, no interpreter, a fake current stream."""
-    monkeypatch.setattr(U, "FAST_LAUNCH", True)
+    """The launcher's GPU-only parts made to run here: no interpreter, a fake current stream."""
     monkeypatch.setattr(U, "interpreting", lambda: False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -110,13 +111,11 @@ def test_launcher_goes_through_triton_for_a_new_key_a_misaligned_pointer_or_a_ho
     assert launch.fast_launches == 1
 
 
-def test_launcher_is_on_by_default_and_off_under_the_interpreter(monkeypatch):
-    import os
-
-    assert U.FAST_LAUNCH == (os.environ.get("KIVI_FAST_LAUNCH", "1") != "0")  # on unless KIVI_FAST_LAUNCH=0
+def test_launcher_is_on_by_default_and_off_under_the_interpreter():
+    assert T.DEFAULT.decode.fast_launch and T.DEFAULT.quant.fast_launch  # on unless a tuning turns it off
+    assert U.interpreting() and not isinstance(A._decode_split_kernel, triton.runtime.JITFunction)
     jit = _JIT()
     launch = U.Launcher(jit)
-    monkeypatch.setattr(U, "FAST_LAUNCH", True)
     x = torch.zeros(8)
     for _ in range(2):
         launch("plan", (1,), (x, 5), dict(BLOCK=16))
@@ -156,11 +155,11 @@ def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch
     monkeypatch.setattr(A, "_SPLIT", recorder("split"))
     monkeypatch.setattr(A, "_REDUCE", recorder("reduce"))
     monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", "0")  # both kernels (batch 1 merges in the split kernel by default)
     layer = _stored_layer(1)
     bt, ql, rl = layer._device_state()
     A.paged_decode_attention(torch.randn(1, 4, 64), bt, ql, *layer.pool.args(), layer.res_k, layer.res_v, rl, 4, 4,
-                             32, 0.125)
+                             32, 0.125,  # both kernels (batch 1 merges in the split kernel by default)
+                             tuning=T.DecodeTuning(fuse_merge=False))
     for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
         args, meta = seen[name]
         n = _runtime_params(fn)
@@ -199,6 +198,15 @@ def test_quantize_call_site_passes_every_runtime_parameter_positionally(monkeypa
     assert seen["q"][0] == key
     Q.quantize_and_write(torch.randn(2, 3, 32, 64)[:, :2], g[:2], pages[:2], pages[:2] * 0, *pool, 4, 4, 32)
     assert seen["q"][0] != key
+    # the tuning's settings: one program for keys and values, 8 warps (another compiled kernel: another key); with
+    # direct launches off, no key (Triton's own launch every call)
+    Q.quantize_and_write(g, g, pages, pages * 0, *pool, 4, 4, 32, tuning=T.QuantTuning(split=False, warps=8))
+    other, grid, _, meta = seen["q"]
+    assert grid == (3, 2, 1) and meta["SPLIT"] == 0 and meta["num_warps"] == 8 and other not in (None, key)
+    Q.quantize_and_write(g, g, pages, pages * 0, *pool, 4, 4, 32, tuning=T.QuantTuning(fast_launch=False))
+    assert seen["q"][0] is None and seen["q"][1] == (3, 2, 2)
+    with pytest.raises(TypeError, match="QuantTuning"):
+        Q.quantize_and_write(g, g, pages, pages * 0, *pool, 4, 4, 32, tuning=T.DecodeTuning())
 
 
 def _fake_decode_kernels(monkeypatch) -> dict:
@@ -220,7 +228,7 @@ def _fake_decode_kernels(monkeypatch) -> dict:
     return jits
 
 
-@pytest.mark.parametrize("merge", ["0", "1"])
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("new", [False, True])
 def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(gpu_like, monkeypatch, new, merge):
     """kernels.DecodeRunner's direct launch (a template of the first call's arguments, the changing pointers
@@ -229,20 +237,20 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     window-length dtype or setting goes through the ordinary call. On a GPU,
     tests/test_gpu.py::test_decode_runner_equals_the_op_call_for_call compares outputs."""
     jits = _fake_decode_kernels(monkeypatch)
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)  # 1: the split kernel merges (no merge kernel launched)
+    t = T.DecodeTuning(fuse_merge=merge)  # True: the split kernel merges (no merge kernel launched)
     layer = _stored_layer(2)
     bt, ql, rl = layer._device_state()
     fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
     q = torch.randn(2, 4, 64)
     extra = dict(new_k=torch.randn(2, 2, 1, 64), new_v=torch.randn(2, 2, 1, 64)) if new else {}
     for _ in range(2):  # planned (not final: residency unknown), then planned and cached by the launchers
-        A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, **extra)
-    A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, **extra)  # the op's own direct launch
+        A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=t, **extra)
+    A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=t, **extra)  # the op's own direct launch
     split = jits["split"].compiled.calls[-1]
-    reduce = jits["reduce"].compiled.calls[-1] if merge == "0" else None
+    reduce = jits["reduce"].compiled.calls[-1] if not merge else None
     assert len(jits["split"].compiled.calls) == 1 and len(jits["split"].launches) == 2
-    assert not jits["reduce"].launches + jits["reduce"].compiled.calls if merge == "1" else reduce is not None
-    run = A.DecodeRunner(*fixed, 4, 4, 32)
+    assert not jits["reduce"].launches + jits["reduce"].compiled.calls if merge else reduce is not None
+    run = A.DecodeRunner(*fixed, 4, 4, 32, tuning=t)
     run.run(q, rl, 0.125, **extra)  # the ordinary call (the launchers' direct path), then prepared
     run.run(q, rl, 0.125, **extra)
     assert run.fast_runs == 1 and len(jits["split"].compiled.calls) == 3
@@ -256,7 +264,7 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     # the workspace's three parts at the op's offsets, the merge kernel reading them and writing the new output
     assert mine[lead + A._A_WSM] - mine[lead + A._A_WSO] == split[lead + A._A_WSM] - split[lead + A._A_WSO]
     assert mine[lead + A._A_WSL] - mine[lead + A._A_WSO] == split[lead + A._A_WSL] - split[lead + A._A_WSO]
-    if merge == "0":
+    if not merge:
         mine_r = jits["reduce"].compiled.calls[-1]
         assert mine_r[lead:lead + 4] == (mine[lead + A._A_WSM], mine[lead + A._A_WSL], mine[lead + A._A_WSO],
                                          mine[lead + A._A_OUT])
@@ -274,7 +282,7 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
                                                                         (A._A_WSM, A._A_WSL, A._A_WSO)]
     shared = {t.data_ptr() for t in A._SHARED_WS.values()}
     assert mine[lead + A._A_WSO] in shared
-    other = A.DecodeRunner(*fixed, 4, 4, 32)
+    other = A.DecodeRunner(*fixed, 4, 4, 32, tuning=t)
     other.run(q, rl, 0.125, **extra)
     other.run(q, rl, 0.125, **extra)
     assert other.fast_runs == 1 and jits["split"].compiled.calls[-1][lead + A._A_WSO] == mine[lead + A._A_WSO]
@@ -294,20 +302,19 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
         assert run.fast_runs == 4 and jits["split"].compiled.calls[-1][lead + A._A_NK] == extra["new_k"].data_ptr()
 
 
-@pytest.mark.parametrize("merge", ["0", "1"])
+@pytest.mark.parametrize("merge", [False, True])
 def test_decode_runner_replaces_the_sink_logits_pointer(gpu_like, monkeypatch, merge):
     """With learned sink logits the runner's direct launch passes the call's sink tensor to the kernel that merges
     (the split kernel's last program, or the merge kernel), compiled with SINK; runs without sinks keep their own
     template (no SINK)."""
     jits = _fake_decode_kernels(monkeypatch)
-    monkeypatch.setenv("KIVI_DECODE_FUSE_MERGE", merge)
     layer = _stored_layer(2)
     bt, ql, rl = layer._device_state()
     fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
     q = torch.randn(2, 4, 64)
-    run = A.DecodeRunner(*fixed, 4, 4, 32)
-    merger = jits["split" if merge == "1" else "reduce"]
-    slot = A._A_SINK if merge == "1" else 4
+    run = A.DecodeRunner(*fixed, 4, 4, 32, tuning=T.DecodeTuning(fuse_merge=merge))
+    merger = jits["split" if merge else "reduce"]
+    slot = A._A_SINK if merge else 4
     lead = 9
     for _ in range(3):  # planned, cached by the launchers, then prepared
         run.run(q, rl, 0.125, sink_logits=torch.zeros(4))
@@ -315,7 +322,7 @@ def test_decode_runner_replaces_the_sink_logits_pointer(gpu_like, monkeypatch, m
     fast = run.fast_runs
     run.run(q, rl, 0.125, sink_logits=sinks)
     assert run.fast_runs == fast + 1
-    fn = A._decode_split_kernel if merge == "1" else A._decode_reduce_kernel
+    fn = A._decode_split_kernel if merge else A._decode_reduce_kernel
     flag = lead + list(inspect.signature(fn.fn).parameters).index("SINK")  # constexprs follow the runtime arguments
     call = merger.compiled.calls[-1]
     assert call[lead + slot] == sinks.data_ptr() and call[flag] == 1
@@ -324,3 +331,66 @@ def test_decode_runner_replaces_the_sink_logits_pointer(gpu_like, monkeypatch, m
     assert merger.compiled.calls[-1][flag] == 0
     run.run(q, rl, 0.125, sink_logits=sinks.half())  # another dtype: the ordinary call (a new plan)
     assert run.fast_runs == fast + 2
+
+
+def test_decode_runner_follows_the_default_tuning_and_fast_launch_off_launches_through_triton(gpu_like, monkeypatch):
+    """A runner built without a tuning runs under ``tuning.DEFAULT`` as it is at each run: a changed default goes
+    through the ordinary call (planned under the new settings), then direct again. ``fast_launch=False`` (the op's
+    tuning or the runner's): every launch through Triton's own path, no cached kernel, no direct run."""
+    jits = _fake_decode_kernels(monkeypatch)
+    layer = _stored_layer(2)
+    bt, ql, rl = layer._device_state()
+    fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
+    q = torch.randn(2, 4, 64)
+    monkeypatch.setattr(T, "DEFAULT", T.Tuning(decode=T.DecodeTuning(fuse_merge=False)))
+    run = A.DecodeRunner(*fixed, 4, 4, 32)
+    for _ in range(3):  # planned (residency unknown), planned and prepared, then direct
+        run.run(q, rl, 0.125)
+    assert run.fast_runs == 1 and jits["reduce"].compiled.calls  # the default's setting: the merge kernel
+    monkeypatch.setattr(T, "DEFAULT", T.Tuning(decode=T.DecodeTuning(fuse_merge=True)))
+    n = len(jits["reduce"].launches) + len(jits["reduce"].compiled.calls)
+    run.run(q, rl, 0.125)
+    assert run.fast_runs == 1  # the ordinary call under the new default: the split kernel merges
+    assert len(jits["reduce"].launches) + len(jits["reduce"].compiled.calls) == n
+    assert any(pl.merge_meta is not None and key[-3] is T.DEFAULT.decode for key, pl in A._PLANS.items())
+    run.run(q, rl, 0.125)
+    assert run.fast_runs == 2 and len(jits["reduce"].launches) + len(jits["reduce"].compiled.calls) == n
+    off = T.DecodeTuning(fast_launch=False)
+    for runner_tuning in (None, off):  # off through the default, then through the runner's own tuning
+        monkeypatch.setattr(T, "DEFAULT", T.Tuning(decode=off if runner_tuning is None else T.DecodeTuning()))
+        slow = A.DecodeRunner(*fixed, 4, 4, 32, tuning=runner_tuning)
+        direct, triton_launches = len(jits["split"].compiled.calls), len(jits["split"].launches)
+        for i in range(3):
+            slow.run(q, rl, 0.125)
+            A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=off)
+            assert len(jits["split"].launches) == triton_launches + 2 * (i + 1)
+        assert slow.fast_runs == 0 and len(jits["split"].compiled.calls) == direct
+    with pytest.raises(TypeError, match="DecodeTuning"):
+        A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=T.Tuning())
+
+
+def test_tuning_objects_check_their_fields_and_parse_settings():
+    """Frozen, hashable settings (equal ones hash alike: the plan key holds them); bad values refused when made;
+    ``parse`` (the benchmarks' ``--tuning``) maps ``field=value`` to fields, family-qualified where ambiguous."""
+    assert T.DecodeTuning() == T.DEFAULT.decode and hash(T.DecodeTuning()) == hash(T.DEFAULT.decode)
+    assert T.DecodeTuning(vhint=False) != T.DecodeTuning() and T.QuantTuning(split=False) != T.QuantTuning()
+    with pytest.raises(AttributeError):
+        T.DEFAULT.decode.warps = 2
+    for bad in (dict(srcmin=5), dict(vhint="yes"), dict(ksz=1), dict(warps=3), dict(warps=0), dict(step=True),
+                dict(rchunk=0), dict(maxnreg=-1), dict(fuse_merge="auto"), dict(fast_launch=0)):
+        with pytest.raises(ValueError, match="DecodeTuning"):
+            T.DecodeTuning(**bad)
+    with pytest.raises(ValueError, match="QuantTuning.warps"):
+        T.QuantTuning(warps=6)
+    t = T.parse("vhint=0, ksz=1,rchunk=64,fuse_merge=auto,quant.split=0,decode.warps=2")
+    assert t.decode == T.DecodeTuning(vhint=False, ksz=True, rchunk=64, warps=2)
+    assert t.quant == T.QuantTuning(split=False)
+    assert T.parse("fast_launch=off") == T.Tuning(decode=T.DecodeTuning(fast_launch=False),
+                                                  quant=T.QuantTuning(fast_launch=False))
+    assert T.parse("") is T.DEFAULT and T.parse("maxnreg=auto", t).decode.maxnreg is None
+    assert T.overrides(t) == {"decode.warps": 2, "decode.vhint": False, "decode.ksz": True, "decode.rchunk": 64,
+                              "quant.split": False}
+    for spec, match in (("warps=2", "decode.warps or quant.warps"), ("nope=1", "no field"), ("vhint", "field=value"),
+                        ("vhint=maybe", "switch"), ("step=auto", "not an int"), ("srcmin=5", "srcmin")):
+        with pytest.raises(ValueError, match=match):
+            T.parse(spec)

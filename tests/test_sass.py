@@ -18,7 +18,7 @@ BATCH = os.path.join(ROOT, "eval", "sass_batch.py")
 
 
 def decode_job(*consts, maxnreg=0, **env_extra):
-    """A build of eval/sass_decode.py: KEY=VALUE consts, maxnreg as env R, other env variables for this build."""
+    """A build of eval/sass_decode.py: KEY=VALUE consts, maxnreg as env R, other variables of that script (S, W)."""
     return "decode", consts, tuple(sorted({"R": str(maxnreg), **env_extra}.items()))
 
 
@@ -102,6 +102,7 @@ DECODE_BUDGETS = [
     (("KBITS=2", "VBITS=2", "BF16=1"), 3.0),  # 2/2 bits, bf16 PTX (2.52 / 2.51)
 ]
 NEWKV_MERGE = ("NEWKV=1", "MERGE=1", "BM=16", "BSM=4")
+STAGES3 = ("PSTAGES=3",)  # the launch with DecodeTuning(stages=3): PSTAGES and num_stages 3 (the script's S default)
 STEP32 = ("BLOCK=32",)
 UNDER_MMA_K = [("P=32", "BLOCK=32", "KBITS=4", "VBITS=2"), ("G=16", "P=16", "BLOCK=16")]
 D64_K2 = ("D=64", "KBITS=2", "VBITS=2")  # 2/2 bits at head_dim 64 (SmolLM2, Llama-3.2-1B)
@@ -110,7 +111,7 @@ VALUES8 = ("KBITS=8", "VBITS=8", "GROUP=1", "GP=1", "D=64", "KASM=0", "VASM=0")
 QUANTIZE = [(), ("KBITS=2", "VBITS=4", "SDT=bf16", "DT=bf16"), ("KBITS=8", "VBITS=8", "SDT=fp32", "DT=fp32", "SPLIT=0"),
             ("KBITS=2", "VBITS=2", "D=64", "G=64")]
 # every build the tests below check (the default decode build serves three of them)
-JOBS = ([decode_job(*c) for c, _ in DECODE_BUDGETS] + [decode_job(*NEWKV_MERGE), decode_job(KIVI_DECODE_STAGES="3"),
+JOBS = ([decode_job(*c) for c, _ in DECODE_BUDGETS] + [decode_job(*NEWKV_MERGE), decode_job(*STAGES3),
                                                       decode_job(*STEP32, maxnreg=128)]
         + [decode_job(*c, maxnreg=128) for c in UNDER_MMA_K] + [decode_job(*VALUES8), decode_job("VHINT=0")]
         + [decode_job(*c, f"KSZ={k}") for c in (D64_K2, D64_INT2) for k in (0, 1)]
@@ -151,7 +152,7 @@ def test_decode_value_words_are_copied_16_bytes_at_a_time():
 
 @pytest.mark.parametrize("consts", [D64_K2, D64_INT2], ids=["2-2-g32", "4-2-g64"])
 def test_decode_key_scales_in_one_load_at_head_dim_64(consts):
-    """KSZ=1 (KIVI_DECODE_KSZ, 2-/4-bit keys): the step's key scale and zero words in one load. At head_dim 64 the
+    """KSZ=1 (``DecodeTuning.ksz``, 2-/4-bit keys): the step's key scale and zero words in one load. At head_dim 64 the
     paged loop then has no branch-wrapped copies and at most 2.9 SASS per code (session 30, per 64-token step: 2/2
     bits 3.6 722, 3.9 702; 4/2 bits g64 717 and 691). Without it 3.6 wraps each 16-byte copy of the small per-plane
     tiles in a branch (2/2 bits 923, 3.61 per code; 3.9 718: the build the H200 decoded 21-27% slower than 3.9's;
@@ -180,7 +181,7 @@ def test_decode_kernel_with_the_new_token_write_and_the_merge_builds_for_sm90():
 
 def test_decode_kernel_three_stages_serialize_loads():
     """The guard above can fail: with 3 stages the paged loop waits for all its copies every step."""
-    r = sass(KIVI_DECODE_STAGES="3")
+    r = sass(*STAGES3)
     assert r["loop_waits"] == [0], r["loop_waits"]
 
 
