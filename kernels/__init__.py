@@ -1,14 +1,23 @@
 """Triton kernels for kivi_cache, installed as ``kivi_cache.kernels``.
 
-Each public function is the twin of the function of the same name in :mod:`kivi_cache.reference` (same signature
-and semantics; a few extra keyword-only arguments, among them ``tuning``: the launch settings, :mod:`.tuning`).
-:class:`DecodeRunner` is ``paged_decode_attention`` planned once for many calls over the same pages (its runs equal
-the op's calls; ``kivi_cache.ops.DecodeRunner`` picks it or the reference). The cache decides when to call them; use
-:func:`available` to know whether Triton can run here.
+Importing this package imports nothing (no Triton, nothing from ``kivi_cache``). Its modules:
+
+* :mod:`.checks` (the ops' argument checks and the constants both sides use) and :mod:`.sinks` (learned sinks as one
+  more key): torch only, shared with the torch side (``kivi_cache`` imports them from here);
+* :mod:`.attention`, :mod:`.dequant`, :mod:`.quantize` (the ops), :mod:`.tuning` (their launch settings),
+  :mod:`.unpack`, :mod:`._util`: import Triton.
+
+Each op is the twin of the function of the same name in :mod:`kivi_cache.reference` (same signature and semantics; a
+few extra keyword-only arguments, among them ``tuning``: the launch settings, :mod:`.tuning`).
+:class:`~.attention.DecodeRunner` is ``paged_decode_attention`` planned once for many calls over the same pages (its
+runs equal the op's calls; ``kivi_cache.ops.DecodeRunner`` picks it or the reference). The cache decides when to call
+them (``kivi_cache.ops`` imports the modules it needs); use :func:`available` to know whether Triton can run here. The
+names in ``__all__`` are also this package's attributes, their module imported on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -30,7 +39,7 @@ if __name__ == "kernels":  # pragma: no cover - exercised in subprocesses by tes
 
 
 def available() -> bool:
-    """True when Triton kernels can run: a CUDA device, or Triton's interpreter (:func:`interpreting`)."""
+    """True when Triton kernels can run: a CUDA device, or Triton's interpreter (:func:`~._util.interpreting`)."""
     try:
         import torch
 
@@ -42,23 +51,30 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-if __name__ != "kernels":  # see the top
-    from ._util import interpreting
-    from .attention import DecodeRunner, paged_decode_attention, paged_prefix_attention
-    from .dequant import dequantize_pages
-    from .quantize import append_and_flush, quantize_and_write
-    from .tuning import DecodeTuning, QuantTuning, Tuning
+_LAZY = {  # name -> the module of this package that defines it
+    "DecodeRunner": "attention",
+    "paged_decode_attention": "attention",
+    "paged_prefix_attention": "attention",
+    "dequantize_pages": "dequant",
+    "append_and_flush": "quantize",
+    "quantize_and_write": "quantize",
+    "DecodeTuning": "tuning",
+    "QuantTuning": "tuning",
+    "Tuning": "tuning",
+    "interpreting": "_util",
+}
 
-__all__ = [
-    "DecodeRunner",
-    "DecodeTuning",
-    "QuantTuning",
-    "Tuning",
-    "append_and_flush",
-    "available",
-    "dequantize_pages",
-    "interpreting",
-    "paged_decode_attention",
-    "paged_prefix_attention",
-    "quantize_and_write",
-]
+if __name__ != "kernels":  # see the top
+
+    def __getattr__(name: str):
+        """The names of ``__all__`` from their modules, imported on first use (PEP 562): a Triton import never
+        happens just because :mod:`.checks` or :mod:`.sinks` was imported."""
+        mod = _LAZY.get(name)
+        if mod is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
+    def __dir__() -> list:
+        return sorted({*globals(), *_LAZY})
+
+    __all__ = sorted({"available", *_LAZY})

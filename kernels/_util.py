@@ -1,35 +1,14 @@
-"""Small shared helpers for the kivi_cache Triton kernels (no kernel code)."""
+"""Small shared helpers for the kivi_cache Triton kernels (no kernel code; the ops' argument checks and the constants
+shared with the torch side are in :mod:`.checks`)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 
+from .checks import ALLOWED_BITS, POOL_NAMES
+
 ALLOWED_HEAD_DIMS = (64, 128, 256)
-ALLOWED_BITS = (2, 4, 8)
-
-
-# the one debug switch (index values checked on every call, GPU included), read once: as kivi_cache.checks.CHECK_INDICES
-CHECK_INDICES = os.environ.get("KIVI_CHECK_INDICES") == "1"
-
-
-def checks():
-    """:mod:`kivi_cache.checks` (the ops' argument checks), imported on first use: transformers probes for a top-level
-    ``kernels`` package and, with the repository root on sys.path, imports this one while kivi_cache is still being
-    imported."""
-    from kivi_cache import checks as mod  # noqa: PLC0415
-
-    return mod
-
-
-def reference():
-    """:mod:`kivi_cache.reference` (torch-only helpers shared with the cache), imported on first use (as
-    :func:`checks`)."""
-    from kivi_cache import reference as mod  # noqa: PLC0415
-
-    return mod
 
 
 @triton.jit
@@ -65,9 +44,6 @@ def check_group(d: int, group_size: int, page_size: int | None = None) -> None:
         raise ValueError(f"group_size={g} must be a power of two dividing head_dim={d}")
     if page_size is not None and page_size % g:
         raise ValueError(f"page_size={page_size} must be a multiple of group_size={g}")
-
-
-POOL_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")  # as kivi_cache.checks.POOL_NAMES
 
 
 def check_pool_strides(pool) -> None:

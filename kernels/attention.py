@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _util
+from . import checks
 from . import tuning as _tuning
 from ._util import (
     Launcher,
@@ -65,6 +65,7 @@ from ._util import (
     num_sms,
 )
 from .dequant import dequantize_pages
+from .sinks import SINK_CHANNELS, sink_channels
 from .unpack import (
     EXACT,
     FOLD_E,
@@ -995,7 +996,7 @@ class _DecodePlan:
 
 def _check_new_token(new_k, new_v, q, res_k, res_v):
     """``new_k``/``new_v`` as ``[B, Hkv, D]`` views with a contiguous last dim (checked by
-    :func:`kivi_cache.checks.check_new_token`); the window they are written into checked."""
+    :func:`.checks.check_new_token`); the window they are written into checked."""
     if new_k.dim() == 4:
         new_k, new_v = new_k.select(2, 0), new_v.select(2, 0)
     if res_k.stride(-1) != 1 or res_v.stride(-1) != 1:
@@ -1117,18 +1118,18 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {list(q.shape)}")
     t = _tuning.DEFAULT.decode if tuning is None else tuning
-    _util.checks().check_sliding_window(sliding_window)
-    _util.checks().check_sm_scale(sm_scale)
+    checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
     if sink_logits is not None:
-        _util.checks().check_sink_logits(sink_logits, q)
+        checks.check_sink_logits(sink_logits, q)
         if sink_logits.stride(-1) != 1:
             sink_logits = sink_logits.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    token = (new_k, new_v)  # checked after the plan's checks (kivi_cache.checks.check_new_token)
+    token = (new_k, new_v)  # checked after the plan's checks (checks.check_new_token)
     if new_k is not None or new_v is not None:
         if new_k is None or new_v is None:
-            _util.checks().check_new_token(new_k, new_v, q, k_codes)  # raises: one without the other
+            checks.check_new_token(new_k, new_v, q, k_codes)  # raises: one without the other
         new_k, new_v = _check_new_token(new_k, new_v, q, res_k, res_v)
     if res_k.stride(-1) != 1:
         res_k = res_k.contiguous()
@@ -1152,8 +1153,8 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     plan = _PLANS.get(key)
     if plan is None:  # shapes, dtypes and devices: once per key (their values below, where that needs no sync)
         pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-        _util.checks().check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
-                                       group_size, values=False)
+        checks.check_attention(q, block_table, lengths, pool, res_k, res_v, res_lengths, key_bits, value_bits,
+                               group_size, values=False)
         check_pool_strides(pool)
         plan = _DecodePlan(q, block_table, k_codes, k_scale, v_codes, v_scale, v_zero, res_k, res_v, key_bits,
                            value_bits, group_size, num_splits, _force_half_dot, _plain, new_k is not None,
@@ -1162,10 +1163,10 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
             if len(_PLANS) > 4096:  # shapes seen by a long-lived process: keep the cache bounded
                 _PLANS.clear()
             _PLANS[key] = plan
-    if not q.is_cuda or _util.CHECK_INDICES:
-        _util.checks().attention_values(block_table, lengths, k_codes, res_k, res_lengths)
+    if not q.is_cuda or checks.CHECK_INDICES:
+        checks.attention_values(block_table, lengths, k_codes, res_k, res_lengths)
     if token[0] is not None or token[1] is not None:
-        _util.checks().check_new_token(*token, q, k_codes)
+        checks.check_new_token(*token, q, k_codes)
     if bsz == 0 or hq == 0:
         return out
     ws_m, ws_l, ws_o = _workspace(plan, d, q.device)
@@ -1215,7 +1216,7 @@ class DecodeRunner:
     def __init__(self, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v,
                  key_bits: int, value_bits: int, group_size: int, sliding_window: int | None = None, *,
                  tuning: _tuning.DecodeTuning | None = None):
-        _util.checks().check_sliding_window(sliding_window)
+        checks.check_sliding_window(sliding_window)
         self.fixed = (block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, res_k, res_v)
         self.bits = (key_bits, value_bits, group_size)
         self.sliding_window = sliding_window
@@ -1296,7 +1297,7 @@ class DecodeRunner:
         when a direct launch can repeat it (else None: every run stays ordinary)."""
         index = _cuda_index(q)
         t = _decode_tuning(t)
-        if (not t.fast_launch or _util.CHECK_INDICES or interpreting() or index < 0
+        if (not t.fast_launch or checks.CHECK_INDICES or interpreting() or index < 0
                 or torch.cuda.is_current_stream_capturing()):
             return None  # (KIVI_CHECK_INDICES=1: the index values are checked by the ordinary call, on every run)
         bt, ql, kc, ks, kz, vc, vs, vz, rk, rv = self.fixed
@@ -1367,16 +1368,15 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     (512 MiB) of keys, values and mask; ``batch_slice`` fixes the sequences per slice instead.
     One device sync (``lengths.max()``). ``sliding_window``: as in the reference. ``sink_logits`` (``[Hq]``, learned
     attention sinks): one more key per sequence that every query sees, on extra channels that only it and the queries
-    fill (:func:`kivi_cache.reference.sink_channels`: its logit is the sink to fp32 accuracy, the other keys' are
+    fill (:func:`.sinks.sink_channels`: its logit is the sink to fp32 accuracy, the other keys' are
     unchanged), with a zero value: the fused kernel then normalizes by the sum with the sink's term included.
     """
-    chk = _util.checks()
-    chk.check_sliding_window(sliding_window)
-    chk.check_sm_scale(sm_scale)
-    chk.check_sink_logits(sink_logits, q)
-    chk.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k, res_v,
-                        res_lengths, key_bits, value_bits, group_size)
-    chk.check_prefix_chunk(q, new_k, new_v, new_mask, k_codes.shape[1])
+    checks.check_sliding_window(sliding_window)
+    checks.check_sm_scale(sm_scale)
+    checks.check_sink_logits(sink_logits, q)
+    checks.check_attention(q, block_table, lengths, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), res_k,
+                           res_v, res_lengths, key_bits, value_bits, group_size)
+    checks.check_prefix_chunk(q, new_k, new_v, new_mask, k_codes.shape[1])
     check_pool_strides((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
     bsz, hq, ql, d = q.shape
     _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
@@ -1396,8 +1396,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
     c = res_k.shape[2]
     s_len = t_max + c + ql
     sink = sink_logits is not None
-    ref = _util.reference()
-    d2 = d + ref.SINK_CHANNELS if sink else d  # the sink key's channels (zeros for every other key and value)
+    d2 = d + SINK_CHANNELS if sink else d  # the sink key's channels (zeros for every other key and value)
     s_pad = -(-(s_len + sink) // 16) * 16  # aligned key axis for the fused kernels' mask; pads are masked out
     if batch_slice is None:
         elt = torch.finfo(dt).bits // 8
@@ -1405,7 +1404,7 @@ def paged_prefix_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
         batch_slice = max(1, PREFIX_SLICE_BYTES // per_seq)
     pos = torch.arange(s_pad, device=q.device)
     if sink:  # the query heads' halves of sink / scale (the sum is the sink to fp32 accuracy)
-        q_sink = ref.sink_channels(sink_logits, sm_scale, dt)
+        q_sink = sink_channels(sink_logits, sm_scale, dt)
         q_sink = q_sink.reshape(hkv, grp, 1, d2 - d).expand(hkv, grp, ql, d2 - d)
     for b0 in range(0, bsz, batch_slice):
         sl = slice(b0, min(bsz, b0 + batch_slice))

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _util
+from . import _util, checks
 from ._util import block_tokens, check_pool_strides, check_settings, interpreting
 
 
@@ -113,11 +113,10 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
     preallocated ``[B, H, T, D]`` floating outputs on the pool's device (last dim contiguous, the same strides) are
     written in place if given (converted to their dtype).
     """
-    chk = _util.checks()
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    np_, h, p, d = chk.check_pool(pool, key_bits, value_bits, group_size)
-    b = chk.check_tables(block_table, lengths, np_, p, device=k_codes.device)
-    chk.check_max_len(max_len)
+    np_, h, p, d = checks.check_pool(pool, key_bits, value_bits, group_size)
+    b = checks.check_tables(block_table, lengths, np_, p, device=k_codes.device)
+    checks.check_max_len(max_len)
     check_settings(d, key_bits, value_bits, group_size, p)
     check_pool_strides(pool)
     t = int(lengths.max()) if (max_len is None and b > 0) else (max_len or 0)
@@ -125,7 +124,7 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         k_out = torch.empty(b, h, t, d, dtype=k_scale.dtype, device=k_scale.device)
         v_out = torch.empty(b, h, t, d, dtype=v_scale.dtype, device=v_scale.device)
     else:
-        k_out, v_out = chk.check_dequant_out(out, (b, h, t, d), k_codes.device)
+        k_out, v_out = checks.check_dequant_out(out, (b, h, t, d), k_codes.device)
     if b == 0 or t == 0 or h == 0:
         return k_out, v_out
     blk = block_tokens(p, group_size, 256 if interpreting() else 32)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _util
+from . import checks
 from . import tuning as _tuning
 from ._util import Launcher, check_pool_strides, check_settings
 
@@ -136,13 +136,13 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
 
     k, v: ``[N, H, G, D]`` (last dim contiguous); pool tensors with a contiguous
     last dim (other strides are passed to the kernel), zero points strided as their scales. Checked as the reference
-    (:func:`kivi_cache.checks.check_write`) and by :func:`kernels._util.check_pool_strides`. ``tuning`` (a
+    (:func:`.checks.check_write`) and by :func:`kernels._util.check_pool_strides`. ``tuning`` (a
     :class:`~kivi_cache.kernels.tuning.QuantTuning`; None: ``tuning.DEFAULT.quant``): programs per group, warps,
     direct launches.
     """
     t = _quant_tuning(tuning)
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    _util.checks().check_write(k, v, pages, slots, pool, key_bits, value_bits, group_size)
+    checks.check_write(k, v, pages, slots, pool, key_bits, value_bits, group_size)
     n, h, g, d = k.shape
     if n == 0:
         return
@@ -204,7 +204,7 @@ def _append_flush_kernel(
     s = tl.where(s < S, s + 1, s)  # a token arriving while the sinks are not all there is a sink
     q = tl.load(qlen_ptr + b).to(tl.int64)
     # a sequence whose table has no column for the group writes nothing (no live page overwritten): the caller
-    # checks the column (kivi_cache.checks.check_flush) or guarantees it (the static cache's max_cache_len)
+    # checks the column (checks.check_flush) or guarantees it (the static cache's max_cache_len)
     full = (r + 1 - s >= R + G) & (q // P < bt_width)
     d = tl.arange(0, D)
     if part == 0:
@@ -258,9 +258,9 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     ``(B, H, 2)``; the lengths are read, never written. ``tuning``: as in :func:`quantize_and_write` (only its
     ``fast_launch`` applies: four warps, one program per keys or values)."""
     tun = _quant_tuning(tuning)
-    _util.checks().check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
-                               (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
-                               residual_length, sink_length)
+    checks.check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
+                       (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
+                       residual_length, sink_length)
     bsz, h, cap, d = res_k.shape
     if bsz == 0:
         return

@@ -7,7 +7,7 @@ never share a plan or a cached launch. Benchmarks and tests that compare setting
 ``field=value,...`` into one, for command lines); code that reaches the kernels through a cache (which passes no
 tuning) runs under :data:`DEFAULT`, which a benchmark may replace (``tuning.DEFAULT = parse(...)``).
 
-No environment variable is read here or by the launchers: ``KIVI_CHECK_INDICES`` (:mod:`kivi_cache.checks`, read
+No environment variable is read here or by the launchers: ``KIVI_CHECK_INDICES`` (:mod:`.checks`, read
 once at import) is the one debug switch, and it checks index values, it sets no launch.
 """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks
+from .kernels import checks
 from .quant import qmax
 from .reference import (  # noqa: F401  (the operations this path shares with the reference)
     append_and_flush,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-ALLOWED_BITS = (2, 4, 8)
+from .kernels.checks import ALLOWED_BITS  # the code widths the ops accept (one definition, with their checks)
 
 
 def _check_int(name: str, value, minimum: int) -> None:

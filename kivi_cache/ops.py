@@ -10,11 +10,13 @@ forces the kernels (also on CPU under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
 
-from . import checks, chunked, reference
+from . import chunked, reference
+from .kernels import checks
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
@@ -35,12 +37,19 @@ def get_backend() -> str:
 
 
 def _load_kernels():
+    """The Triton kernels' ops (a namespace of the five ops, ``DecodeRunner`` and ``interpreting``), imported on first
+    use from the kernel modules themselves (importing ``kivi_cache.kernels`` or its checks imports no Triton); None
+    where they cannot load (:func:`kernel_error` says why)."""
     global _kernels, _kernel_error
     if _kernels is None and _kernel_error is None:
         try:
-            from . import kernels  # noqa: PLC0415  (imports triton)
+            from .kernels import _util, attention, dequant, quantize  # noqa: PLC0415  (imports triton)
 
-            _kernels = kernels
+            _kernels = types.SimpleNamespace(
+                quantize_and_write=quantize.quantize_and_write, append_and_flush=quantize.append_and_flush,
+                dequantize_pages=dequant.dequantize_pages, paged_decode_attention=attention.paged_decode_attention,
+                paged_prefix_attention=attention.paged_prefix_attention, DecodeRunner=attention.DecodeRunner,
+                interpreting=_util.interpreting)
         except Exception as exc:  # ImportError, or triton failing to initialise
             _kernel_error = f"{type(exc).__name__}: {exc}"
     return _kernels
@@ -159,7 +168,7 @@ class DecodeRunner:
     values again after an in-place write to them); otherwise, and for a configuration the kernels do not cover, the
     ordinary op (with its fallback to the torch path). ``direct=False``: always the ordinary op. ``own``: the caller
     builds the index tensors itself (the cache), so the torch path does not check their values again
-    (:class:`kivi_cache.checks.own_state`). Build a new one when the state's tensors are replaced."""
+    (:class:`kivi_cache.kernels.checks.own_state`). Build a new one when the state's tensors are replaced."""
 
     def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size,
                  direct: bool = True, sliding_window: int | None = None, own: bool = False):

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from . import checks
+from .kernels import checks
+from .kernels.sinks import SINK_CHANNELS, sink_channels  # noqa: F401  (the sink helpers, also here: hook.py)
 from .quant import (
     dequantize_keys,
     dequantize_values,
@@ -48,7 +49,7 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
 
     k, v: ``[N, H, G, D]`` (G = group_size consecutive tokens of one sequence).
     pages: ``[N]`` int page ids; slots: ``[N]`` int token offsets in the page
-    (multiples of G). Checked by :func:`kivi_cache.checks.check_write` (ValueError) before anything is written.
+    (multiples of G). Checked by :func:`kivi_cache.kernels.checks.check_write` (ValueError) before anything is written.
     """
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     checks.check_write(k, v, pages, slots, pool, key_bits, value_bits, group_size)
@@ -88,7 +89,7 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
        tokens after it move down to slots ``s .. s + R - 1``.
 
     The lengths are read, not written: the caller advances them (``res_lengths += 1 - G * full``, ``lengths += G *
-    full``, the sinks as in 2.), with ``full`` as in 3. Checked by :func:`kivi_cache.checks.check_flush`.
+    full``, the sinks as in 2.), with ``full`` as in 3. Checked by :func:`kivi_cache.kernels.checks.check_flush`.
     """
     checks.check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
                        (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
@@ -167,23 +168,6 @@ def dequantize_pages(block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_
         k = torch.where(valid, k, 0)
         v = torch.where(valid, v, 0)
     return k, v
-
-
-SINK_CHANNELS = 8  # extra channels that carry a learned sink as one more key (2 used; 8 keep rows 16-byte aligned)
-
-
-def sink_channels(sink_logits, sm_scale: float, dtype) -> torch.Tensor:
-    """The query side of a learned sink carried as one more key on ``SINK_CHANNELS`` extra channels: ``[Hq,
-    SINK_CHANNELS]`` of ``dtype``, each head's first two channels ``hi + lo = sink / sm_scale`` (``hi`` rounded to
-    ``dtype``, ``lo`` its remainder), the rest zeros. Against a key holding ``1, 1`` there (and zeros on the other
-    channels; every other key zeros there), the sink's logit is the sink to fp32 accuracy and no other logit
-    changes. Used by the fused-sdpa paths (:func:`kivi_cache.hook.sdpa_with_sinks`, the Triton prefix path)."""
-    target = sink_logits.detach().float() / float(sm_scale)
-    hi = target.to(dtype)
-    out = torch.zeros(target.shape[0], SINK_CHANNELS, dtype=dtype, device=sink_logits.device)
-    out[:, 0] = hi
-    out[:, 1] = (target - hi.float()).to(dtype)
-    return out
 
 
 def _attend(q, k, v, valid, sm_scale, sink_logits=None):

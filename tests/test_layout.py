@@ -1,11 +1,17 @@
-"""The repository's ``kernels/`` folder never poses as Hugging Face's ``kernels`` package.
+"""The layout: the repository's top-level ``kernels/`` folder, installed as ``kivi_cache.kernels``.
 
-From the repository root (``python -m pytest``, ``python -m kivi_cache.lm_eval``, a notebook started there) the
-root is on sys.path, so ``import kernels`` finds this folder. transformers imports ``kernels`` (the Hub's layer
-kernels; a hard dependency from transformers 5.25) when it is installed: it must get that package, and without it
-an empty module that its probe reads as "not available". Run in subprocesses started in the repository root.
+It imports nothing from ``kivi_cache`` (the ops' argument checks and the constants both sides use live in it, and
+``kivi_cache`` imports them from there), and importing the package or its checks imports no Triton, so ``kivi_cache``
+imports where Triton cannot (the ops fall back to the torch path).
+
+It never poses as Hugging Face's ``kernels`` package: from the repository root (``python -m pytest``, ``python -m
+kivi_cache.lm_eval``, a notebook started there) the root is on sys.path, so ``import kernels`` finds this folder.
+transformers imports ``kernels`` (the Hub's layer kernels; a hard dependency from transformers 5.25) when it is
+installed: it must get that package, and without it an empty module that its probe reads as "not available". Run in
+subprocesses started in the repository root.
 """
 
+import ast
 import importlib.metadata
 import os
 import subprocess
@@ -39,9 +45,61 @@ def _hub_kernels_installed() -> bool:
     return True
 
 
+def _imports(path: Path) -> list:
+    """The modules ``path`` imports (absolute names; relative imports as ``.name``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append("." * node.level + (node.module or ""))
+    return out
+
+
+def test_kernels_import_nothing_from_kivi_cache():
+    files = sorted((ROOT / "kernels").glob("*.py"))
+    assert {f.name for f in files} >= {"__init__.py", "checks.py", "sinks.py", "attention.py"}
+    bad = {f.name: m for f in files for m in _imports(f) if m.split(".")[0] == "kivi_cache"}
+    assert not bad, bad
+    for name in ("checks.py", "sinks.py", "__init__.py"):  # imported by the torch side: no Triton there
+        assert not [m for m in _imports(ROOT / "kernels" / name) if m.split(".")[0] == "triton"], name
+
+
+def test_the_debug_switch_is_read_once():
+    """``KIVI_CHECK_INDICES`` is read in one place (kernels/checks.py, at import); everything else reads
+    ``checks.CHECK_INDICES``."""
+    files = [*(ROOT / "kernels").glob("*.py"), *(ROOT / "kivi_cache").glob("*.py")]
+    reads = [f"{f.parent.name}/{f.name}" for f in files for node in ast.walk(ast.parse(f.read_text()))
+             if isinstance(node, ast.Constant) and node.value == "KIVI_CHECK_INDICES"]
+    assert reads == ["kernels/checks.py"], reads
+
+
+def test_kivi_cache_imports_where_triton_cannot():
+    """The package ``kivi_cache.kernels`` and its torch-only modules import no Triton: with Triton unimportable,
+    ``kivi_cache`` imports, the checks work, and the ops say why the kernels do not load."""
+    out = _run("""
+        import sys
+        sys.modules["triton"] = None                    # import triton raises ModuleNotFoundError
+        import torch
+        import kivi_cache
+        from kivi_cache import config, ops
+        from kivi_cache.kernels import checks, sinks
+        import kivi_cache.kernels as K
+        assert config.ALLOWED_BITS is checks.ALLOWED_BITS
+        assert sinks.sink_channels(torch.zeros(2), 0.5, torch.float32).shape == (2, sinks.SINK_CHANNELS)
+        assert not K.available()
+        assert ops._impl("cpu").__name__ == "kivi_cache.chunked"
+        assert not [m for m in sys.modules if m.startswith("kivi_cache.kernels.") and m.split(".")[-1] not in
+                    ("checks", "sinks")], sorted(sys.modules)
+        print("error", kivi_cache.kernel_error())
+    """)
+    assert "error ModuleNotFoundError" in out and "triton" in out, out
+
+
 def test_top_level_kernels_from_the_repository_root():
     """transformers probes ``kernels`` while kivi_cache is imported: with the Hub package installed it gets that
-    package (and transformers' integration imports its names), without it an empty module read as unavailable."""
+    package (and transformers' integration imports its names), without it an empty module read as unavailable.
+    ``kivi_cache.kernels`` and its modules import from there all the same."""
     installed = _hub_kernels_installed()
     out = _run("""
         import sys
@@ -49,9 +107,11 @@ def test_top_level_kernels_from_the_repository_root():
         import kivi_cache
         from transformers import LlamaForCausalLM       # noqa: F401  (transformers probes `kernels` here)
         import kernels
+        from kivi_cache.kernels import attention
         import kivi_cache.kernels as ours
         assert not hasattr(kernels, "paged_decode_attention"), "the repo's kernels/ posed as a top-level package"
-        assert hasattr(ours, "paged_decode_attention")
+        assert ours.paged_decode_attention is attention.paged_decode_attention
+        assert "kernels.attention" not in sys.modules and "kernels.checks" not in sys.modules
         from transformers.utils.import_utils import is_kernels_available
         print("available", is_kernels_available())
         print("file", getattr(kernels, "__file__", None))

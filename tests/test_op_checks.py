@@ -1,6 +1,6 @@
 """Bad arguments to the op API (kivi_cache.kernels and kivi_cache.reference alike): a ValueError naming the parameter,
-raised before anything is written (kivi_cache.checks); before, the kernels wrote out of bounds (heap corruption for a
-pool with fewer heads than k), read past the block table or the window, or gave a silent wrong answer."""
+raised before anything is written (kivi_cache.kernels.checks); before, the kernels wrote out of bounds (heap corruption
+for a pool with fewer heads than k), read past the block table or the window, or gave a silent wrong answer."""
 
 from __future__ import annotations
 
@@ -24,15 +24,13 @@ DEV = "cuda" if os.environ.get("KIVI_TEST_GPU") == "1" else "cpu"
 @pytest.fixture(autouse=True)
 def _on_the_test_device(monkeypatch):
     """Tensors built on DEV; on CUDA with the index values checked as under ``KIVI_CHECK_INDICES=1`` (without it a
-    GPU checks shapes, dtypes and devices only: kivi_cache.checks). Session 30 on the H200 without it: the page past
-    the pool went unchecked, and the reference's out-of-bounds index fired a device assert that failed every later
-    test."""
+    GPU checks shapes, dtypes and devices only: kivi_cache.kernels.checks). Session 30 on the H200 without it: the page
+    past the pool went unchecked, and the reference's out-of-bounds index fired a device assert that failed every
+    later test."""
     if DEV == "cuda":
-        from kivi_cache import checks
-        from kivi_cache.kernels import _util
+        from kivi_cache.kernels import checks
 
-        monkeypatch.setattr(checks, "CHECK_INDICES", True)
-        monkeypatch.setattr(_util, "CHECK_INDICES", True)
+        monkeypatch.setattr(checks, "CHECK_INDICES", True)  # the one switch, read by the kernels and the torch side
     with torch.device(DEV):
         yield
 
@@ -176,9 +174,9 @@ def test_dequantize_out_tensors_must_share_strides(mod):
 @pytest.mark.skipif(DEV != "cpu", reason="about CPU tensors without the interpreter")
 def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
     """set_backend('triton') with CPU tensors and no interpreter: a clear error, not Triton's '0 active drivers'."""
-    from kivi_cache import kernels, ops
+    from kivi_cache import ops
 
-    monkeypatch.setattr(kernels, "interpreting", lambda: False)  # as where the kernels were built for a GPU
+    monkeypatch.setattr(ops._load_kernels(), "interpreting", lambda: False)  # as where the kernels were built for a GPU
     a = decode_args()
     ops.set_backend("triton")
     try:
@@ -440,8 +438,10 @@ def test_own_state_skips_index_values_only_there(monkeypatch):
     KIVI_CHECK_INDICES (checks.CHECK_INDICES) checks the values anyway."""
     import threading
 
-    from kivi_cache import checks
+    import kivi_cache.checks
+    from kivi_cache.kernels import checks
 
+    assert kivi_cache.checks.own_state is checks.own_state  # the public name (README) is the checks' own switch
     if DEV == "cuda":  # (the fixture turns CHECK_INDICES on there)
         monkeypatch.setattr(checks, "CHECK_INDICES", False)
     lengths = torch.tensor([40], dtype=I32, device="cpu")
