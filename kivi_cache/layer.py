@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -417,12 +418,12 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
     def check_crop(self, tokens_to_remove) -> int:
         """The tokens ``crop(tokens_to_remove)`` removes (0: none), or ValueError if it cannot (a pending step must
         be committed first: its tokens count)."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+        n = as_int(tokens_to_remove)
+        if n is None:
             raise ValueError(f"crop takes an int (-n: remove the n newest tokens; m > 0: keep the first m), got "
                              f"{tokens_to_remove!r}")
         if not self.is_initialized:
             return 0
-        n = int(tokens_to_remove)
         remove = min(-n if n <= 0 else max(0, self.seen - n), self.seen)
         p, w = self.cfg.page_size, self.sliding_window
         for i in range(self.batch_size):
@@ -565,11 +566,23 @@ def batch_index(index, batch: int, name: str) -> list[int]:
     return index
 
 
+def as_int(x) -> int | None:
+    """``x`` as an int where it is one exactly (an int, a numpy integer, a 0-d integer tensor: transformers 5.17
+    passes crop one), else None (bools too)."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def repeat_index(batch: int, repeats) -> list[int]:
     """``batch_repeat_interleave(repeats)``'s selection: every sequence ``repeats`` times in a row."""
-    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+    n = as_int(repeats)
+    if n is None or n < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    return [i for i in range(batch) for _ in range(int(repeats))]
+    return [i for i in range(batch) for _ in range(n)]
 
 
 def step_tensors(step: PendingStep) -> tuple[torch.Tensor, torch.Tensor]:
