@@ -23,7 +23,7 @@ of ``P^T`` of its tokens (``plane_rows``), and the value scales of two tokens
 come as one int32 load. Online softmax in the exp2 domain. Splits ``s = NS + c`` handle
 chunk c of the full-precision residual window (attention sinks included)
 ``res_k/res_v[b, h, :res_lengths[b]]``: slots ``[c RCH, (c + 1) RCH)`` (``window_chunk``: the whole window in one
-program, or 64-slot chunks where the pairs are few and the chunks leave the paged splits unchanged, session 18).
+program, or 64-slot chunks where the pairs are few and the chunks leave the paged splits unchanged).
 SASS-count details (``eval/sass_decode.py``, ``eval/SASS_CANDIDATES.md``): key pairs for 64-token groups hold
 channels ``(4w + p, 4w + p + 2)`` ("ODD", one shift of the word instead of byte shuffles; q rows in
 that order, ``_qrows``); whole steps run in an unmasked copy of the loop. Each

@@ -269,7 +269,7 @@ def test_max_batch_search_resumes_from_recorded_trials(monkeypatch, tmp_path):
     assert prior is None and "prefill_tokens" in note
     runner.pending_src["k"]["settings"]["prefill_tokens"] = args.prefill_tokens
     assert runner.prior_search("k", budget)[0]["search"] == recorded
-    # a kivi row's trials from a run that sized pools by another rule (before session 6) are not reused
+    # a kivi row's trials from a run that sized pools by another rule (no prealloc_rule recorded) are not reused
     runner.pending["k"] = dict(search=recorded, budget_bytes=budget, cache="kivi-int4")
     prior, note = runner.prior_search("k", budget)
     assert prior is None and "prealloc_rule" in note
@@ -334,8 +334,8 @@ def test_resume_continues_max_batch_rows_end_to_end(monkeypatch, tmp_path):
 
 
 def test_resume_measures_again_kivi_rows_of_an_older_pool_rule(monkeypatch, tmp_path):
-    """A finished kivi max-batch row of a run whose pools were sized by another rule (no prealloc_rule: before
-    session 6) is searched and measured again; a finished fp16 row of the same file is kept as it is."""
+    """A finished kivi max-batch row of a run whose pools were sized by another rule (no prealloc_rule recorded) is
+    searched and measured again; a finished fp16 row of the same file is kept as it is."""
     mod = _load()
     real = mod.run_generate
     calls = []

@@ -635,8 +635,8 @@ def test_sliding_page_bound_is_tight(monkeypatch):
     """``QuantConfig.sliding_pages_per_sequence`` is the most pages a sequence of a sliding layer holds while
     decoding: across windows of several phases against 32-token pages of 8-token groups (R=8), a padded batch of 2
     and beam search, the peak of the pool's pages in use (the zero page aside) never exceeds the bound times the
-    sequences, and reaches it for some windows (one page less would not do; session 38's mutation of the former
-    ``+ 2`` survived, session 39 found it one page too many)."""
+    sequences, and reaches it for some windows (so one page less would not do, and one more would waste a page a
+    sequence)."""
     from kivi_cache.pool import PagePool
 
     paged = dict(key_bits=8, value_bits=8, group_size=8, residual_length=8, page_size=32)
@@ -673,7 +673,7 @@ def test_sliding_page_bound_is_tight(monkeypatch):
 
 def test_learned_attention_sinks_are_served(monkeypatch):
     """GPT-OSS adds a learned sink logit per query head to every softmax (``s_aux``), which sdpa would drop (its
-    logits were 59% off that way, session 22). With ``attn_implementation="kivi"`` the sinks are computed: on the
+    logits would be far off that way). With ``attn_implementation="kivi"`` the sinks are computed: on the
     prompt and with DynamicCache by sdpa with the sink as one more key, while decoding by the kernels' merge. Padded
     batch, sliding and full layers: nothing quantized, the logits equal the eager model's with DynamicCache; 8-bit,
     served with no fallback step and close to it; the sinks matter (dropped, the logits are far off)."""

@@ -1,5 +1,5 @@
-"""The host work of an eager decode step (batch 1 is host-bound on a GPU: eval/NOTES.md, session 11): besides its
-one paged-attention call per layer, the cache must dispatch no more tensor operations than transformers'
+"""The host work of an eager decode step (batch 1 is host-bound on a GPU: launches cost more than the GPU work):
+besides its one paged-attention call per layer, the cache must dispatch no more tensor operations than transformers'
 DynamicCache with sdpa does for the same step (each is a kernel launch, ~5 us of host time, on a GPU)."""
 
 from collections import Counter

@@ -723,8 +723,8 @@ def test_decode_plans_are_reused_per_shape_and_setting(monkeypatch):
     with other data reuse the plan and match the reference; another block-table width, dtype or environment
     setting makes a new plan. On a GPU the first call of a kernel configuration is not kept (it is planned again
     once the compiled kernel's residency is known, ``_RESIDENT``), so every new setting is called twice here: the
-    count then does not depend on which tests ran before in the process (it did: the fp16 case failed on the H200
-    when this test ran without the earlier ones, session 27). An equal tuning object is the same setting."""
+    count then does not depend on which tests ran before in the process. An equal tuning object is the same
+    setting."""
     from kivi_cache.kernels import attention as A
 
     A._PLANS.clear()
@@ -876,7 +876,7 @@ def test_compiled_mode_op_never_merges_in_the_kernel(monkeypatch):
     would merge in the split kernel (a small batch), it launches the merge kernel instead and allocates no arrival
     counts. A count tensor allocated by a first call and kept by the plan made generate fail on the GPU: inductor's
     CUDA graphs run their warm-up in the graphs' own memory pool, and recording refused the pool tensor kept alive
-    ("tensor(s) in the cudagraph pool not tracked as outputs", session 16). Same output as the reference and as the
+    ("tensor(s) in the cudagraph pool not tracked as outputs"). Same output as the reference and as the
     op with the in-kernel merge."""
     from kivi_cache import ops, static  # noqa: F401  (static registers torch.ops.kivi_cache.*)
     from kivi_cache.kernels import attention as A

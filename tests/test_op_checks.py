@@ -16,17 +16,16 @@ D, G, P = 64, 32, 64
 DT = torch.float16
 I32 = torch.int32
 # KIVI_TEST_GPU=1 (no interpreter): every tensor on CUDA, so the good-argument calls that set a test up reach the real
-# launcher with device pointers (session 29 ran this file there with CPU tensors: 11 setup failures, Triton's
-# "cpu tensor?"). The cases' module-level tensors move in the tests (dev); meta tensors stay on meta.
+# launcher with device pointers (CPU tensors there fail the setup with Triton's "cpu tensor?"). The cases'
+# module-level tensors move in the tests (dev); meta tensors stay on meta.
 DEV = "cuda" if os.environ.get("KIVI_TEST_GPU") == "1" else "cpu"
 
 
 @pytest.fixture(autouse=True)
 def _on_the_test_device(monkeypatch):
     """Tensors built on DEV; on CUDA with the index values checked as under ``KIVI_CHECK_INDICES=1`` (without it a
-    GPU checks shapes, dtypes and devices only: kivi_cache.kernels.checks). Session 30 on the H200 without it: the page
-    past the pool went unchecked, and the reference's out-of-bounds index fired a device assert that failed every
-    later test."""
+    GPU checks shapes, dtypes and devices only: kivi_cache.kernels.checks). Without it a page past the pool would go
+    unchecked, and the reference's out-of-bounds index would fire a device assert that fails every later test."""
     if DEV == "cuda":
         from kivi_cache.kernels import checks
 
@@ -427,7 +426,7 @@ def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
                                          res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
                                          group_size=G, sm_scale=0.125)
     args = (a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"], a["res_lengths"], 4, 4, G, 0.125)
-    assert torch.equal(out, chunked.paged_decode_attention(*args))  # the torch path (session 33; the reference before)
+    assert torch.equal(out, chunked.paged_decode_attention(*args))  # the torch path
     ref = R.paged_decode_attention(*args)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3
 

@@ -90,13 +90,11 @@ def sass(*consts, maxnreg=0, **env_extra):
 
 
 DECODE_BUDGETS = [
-    # per code per lane with the 5-stage pipeline and the token-packed value layout (session 8), Triton 3.6 (the
+    # per code per lane with the 5-stage pipeline and the token-packed value layout, Triton 3.6 (the
     # GPU image, where the kernel is tuned and timed) / 3.9. Since the t39 unpack (join of the int32 pairs before
     # the halves, phase-1 mask on the pairs) 3.9 keeps the unpacked operands in registers as 3.6 does (kWidth 4)
     # and is no worse (eval/candidates/T39.md); other versions get a little slack (their register allocation
     # differs, see the 32-token test below)
-    # (with session 31's default KSZ on for fp16: 1449 / 1459 and 1227 / 1236 SASS per step; bf16 at head_dim 128
-    # has it on under 3.6 only since session 32: 1282 / 1286)
     ((), 3.05),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16 (2.83 / 2.85, 0 spills)
     (("KBITS=4", "VBITS=2", "G=64"), 2.8),  # Int2PagedCache shape (2.40 / 2.41)
     (("KBITS=2", "VBITS=2", "BF16=1"), 3.0),  # 2/2 bits, bf16 PTX (2.52 / 2.51)
@@ -138,7 +136,7 @@ def test_decode_value_words_are_copied_16_bytes_at_a_time():
     """VHINT (on by default at head_dim 128 with 64-token steps): the paged loop's value-word tiles are copied to
     shared memory in 16-byte cp.async pieces. Triton 3.6 copied them 4 bytes at a time without the hint (24 16-byte
     copies in the PTX instead of 48: pipeline prologue and loop, the key tiles only); 3.9 vectorizes them either
-    way, and decoded 4-12% faster on the H200 (eval/NOTES.md, session 27). Under 3.6 (CI's second run) this fails if
+    way, and decodes faster with the 16-byte copies. Under 3.6 (CI's second run) this fails if
     the hint is dropped."""
     import triton
 
@@ -153,10 +151,8 @@ def test_decode_value_words_are_copied_16_bytes_at_a_time():
 @pytest.mark.parametrize("consts", [D64_K2, D64_INT2], ids=["2-2-g32", "4-2-g64"])
 def test_decode_key_scales_in_one_load_at_head_dim_64(consts):
     """KSZ=1 (``DecodeTuning.ksz``, 2-/4-bit keys): the step's key scale and zero words in one load. At head_dim 64 the
-    paged loop then has no branch-wrapped copies and at most 2.9 SASS per code (session 30, per 64-token step: 2/2
-    bits 3.6 722, 3.9 702; 4/2 bits g64 717 and 691). Without it 3.6 wraps each 16-byte copy of the small per-plane
-    tiles in a branch (2/2 bits 923, 3.61 per code; 3.9 718: the build the H200 decoded 21-27% slower than 3.9's;
-    4/2 g64 769)."""
+    paged loop then has no branch-wrapped copies and at most 2.9 SASS per code. Without it 3.6 wraps each 16-byte
+    copy of the small per-plane tiles in a branch (more SASS per code, and a slower build)."""
     import triton
 
     one, per_plane = sass(*consts, "KSZ=1"), sass(*consts, "KSZ=0")
