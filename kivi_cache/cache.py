@@ -11,8 +11,7 @@ from transformers.configuration_utils import PretrainedConfig
 
 from . import checks
 from .config import QuantConfig, _check_int
-from .layer import QuantizedPagedLayer, repeat_index
-from .masks import MaskReader
+from .layer import QuantizedPagedLayer, SharedState, repeat_index
 from .memory import MemoryReport
 
 
@@ -90,7 +89,7 @@ class QuantizedPagedCache(Cache):
         self.quant_config = quant_config
         self._layer_configs: list = []  # per layer, where it differs from quant_config (sliding layers' pools)
         self._record_past = False  # activate_past_recording was called (layers made later record too)
-        self._masks = MaskReader()  # one per cache: its layers read each forward's mask once
+        self._shared = SharedState()  # one per cache: its layers read each forward's mask once, fail together
         if config is not None:
             _check_model_config(config)
             if max_batch_size is not None:
@@ -110,16 +109,26 @@ class QuantizedPagedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if type(layer_idx) is not int or layer_idx < 0:
             raise ValueError(f"layer_idx must be an int >= 0 (the model layer's index), got {layer_idx!r}")
+        if layer_idx == 0 and len(self.layers) > 1:
+            self._check_lengths()
         if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
             checks.check_states(key_states, value_states)  # before any state changes
             self.quant_config.check_head_dim(key_states.shape[-1])
         while len(self.layers) <= layer_idx:
             i = len(self.layers)
             own = self._layer_configs[i] if i < len(self._layer_configs) else None
-            self.layers.append(QuantizedPagedLayer(own or self.quant_config, self._masks))
+            self.layers.append(QuantizedPagedLayer(own or self.quant_config, self._shared))
             if self._record_past:
                 self.layers[-1].activate_past_recording()
         return self._update_layer(layer_idx, key_states, value_states)
+
+    def _check_lengths(self) -> None:
+        """At a forward's first layer: every layer holds the same number of tokens, else the last forward stopped part
+        way (an exception in the model after some layers stored its tokens): the cache is unusable."""
+        seen = [layer.host_length() for layer in self.layers if layer.is_initialized]
+        if seen and seen.count(seen[0]) != len(seen):
+            self._mark_unusable("a forward", RuntimeError(f"its layers stored different lengths {seen}"))
+            self._check_usable()
 
     def _update_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         layer = self.layers[layer_idx]
@@ -127,7 +136,7 @@ class QuantizedPagedCache(Cache):
             return layer.update(key_states, value_states)
         except BaseException as exc:
             # refused after earlier layers stored this forward's tokens: the layers now disagree on the length
-            if any(other.seen != layer.seen for other in self.layers if other.is_initialized):
+            if any(other.host_length() != layer.host_length() for other in self.layers if other.is_initialized):
                 self._mark_unusable(f"update of layer {layer_idx}", exc)
             raise
 

@@ -158,7 +158,13 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
                                  f"but its prompt was stored for {layer.sliding_window}")
             if scaling is None:
                 scaling = query.shape[-1] ** -0.5
-            return layer.attend_static(query, scaling, sinks), None
+            if torch.compiler.is_compiling():
+                return layer.attend_static(query, scaling, sinks), None
+            try:  # the step's token is stored: a failure leaves the later layers without it
+                return layer.attend_static(query, scaling, sinks), None
+            except BaseException as exc:
+                layer.mark_unusable("attention", exc)
+                raise
     if not isinstance(key, KVHandle):
         fn = _original_sdpa if sinks is None else sdpa_with_sinks
         return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -168,7 +174,17 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
 @torch.compiler.disable
 def _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """Attention over a lazy handle: host bookkeeping (lists, commits, page allocation) that torch.compile must
-    not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python."""
+    not trace (generate compiles a chunked prompt's forward too); a compiled forward runs it as plain Python. An
+    exception here ends the forward with this layer's step stored or pending and the later layers' not: the cache
+    is marked unusable (CacheUnusableError until reset())."""
+    try:
+        return _attend_step(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    except BaseException as exc:
+        key.step.layer.mark_unusable("attention", exc)
+        raise
+
+
+def _attend_step(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     step = key.step
     sinks = _sink_logits(kwargs)
     sdpa = _original_sdpa if sinks is None else sdpa_with_sinks

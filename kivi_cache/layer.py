@@ -53,15 +53,26 @@ class CacheUnusableError(RuntimeError):
     from a half-changed state."""
 
 
+class SharedState:
+    """What the layers of one cache share: the mask reader, and why the cache is unusable (None: it is usable)."""
+
+    __slots__ = ("masks", "unusable")
+
+    def __init__(self):
+        self.masks = MaskReader()
+        self.unusable: str | None = None
+
+
 class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cfg: QuantConfig, masks: MaskReader | None = None):
+    def __init__(self, cfg: QuantConfig, shared: SharedState | None = None):
         super().__init__()
         self.cfg = cfg
-        self.masks = MaskReader() if masks is None else masks  # shared by the cache's layers
+        self.shared = SharedState() if shared is None else shared  # the cache's: one for all its layers
+        self.masks = self.shared.masks
         self._bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         self.pool: PagePool | None = None
         # the model layer's sliding window (None: full attention), learned from the attention hook
@@ -70,7 +81,6 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         # transformers' past recording (assisted decoding): a sliding-window layer then writes every token of a step
         # (no skipped pages), so that crop can take back any of the last step's tokens
         self.record_past = False
-        self.unusable: str | None = None  # why the layer refuses use until reset() (see CacheUnusableError)
         self._clear_sequences()
 
     def activate_past_recording(self, **kwargs) -> None:
@@ -340,6 +350,10 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
             self.check_usable()
         return self.seen
 
+    def host_length(self) -> int:
+        """The tokens stored or pending, as the host counts them (no device read)."""
+        return self.seen
+
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
         return self.seen + query_len(query_length), 0
 
@@ -366,9 +380,15 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
             raise CacheUnusableError(f"kivi_cache: this cache is unusable: {self.unusable}; call reset() (or make a "
                                      f"new cache) before using it again")
 
+    @property
+    def unusable(self) -> str | None:
+        """Why the cache refuses use until reset() (None: it is usable; see CacheUnusableError)."""
+        return self.shared.unusable
+
     def mark_unusable(self, what: str, exc: BaseException) -> None:
-        if self.unusable is None:
-            self.unusable = f"{what} failed part way ({type(exc).__name__}: {exc})"
+        """Mark the whole cache unusable (its layers may now disagree) until reset()."""
+        if self.shared.unusable is None:
+            self.shared.unusable = f"{what} failed part way ({type(exc).__name__}: {exc})"
 
     def check_index(self, index, name: str) -> list[int]:
         """``index`` (a 1-d integer tensor or sequence of ints in ``[0, batch)``, or a bool mask of the batch size) as
@@ -483,7 +503,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                 self.pool.release(t)
         self._clear_sequences()
         self.is_initialized = False
-        self.unusable = None
+        self.shared.unusable = None
 
     def offload(self):
         raise NotImplementedError("kivi_cache does not support cache offloading")

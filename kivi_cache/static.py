@@ -106,8 +106,8 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
     is_croppable = False
     SPARE_COLUMNS = False  # the static step's flush writes the column its length names: exact columns
 
-    def __init__(self, cfg, max_cache_len: int, window_hint: int | None = None, masks=None):
-        super().__init__(cfg, masks)
+    def __init__(self, cfg, max_cache_len: int, window_hint: int | None = None, shared=None):
+        super().__init__(cfg, shared)
         self.max_cache_len = max_cache_len
         self.static = False
         self.decoding = False  # a one-token step ran in static mode: no more prompt chunks
@@ -264,11 +264,11 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                                  f"{list(value_states.shape)} {value_states.dtype} on {value_states.device}")
         if key_states.requires_grad or value_states.requires_grad:  # the cache keeps data, not graphs
             key_states, value_states = key_states.detach(), value_states.detach()
-        self.decoding = True
         cfg, g = self.cfg, self.cfg.group_size
         torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.r_len,
                                               self.sink_len, self.q_len, self.block_table, *self.pool.args(),
                                               cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length)
+        self.decoding = True
         if not torch.compiler.is_compiling():
             self.host_seen += 1
         # the lengths as the op read them, advanced by the window rule it follows
@@ -315,7 +315,12 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         return out[:, None]
 
     def get_seq_length(self):
+        if self.unusable is not None:
+            self.check_usable()
         return self.seen_t if self.static else self.seen
+
+    def host_length(self) -> int:
+        return self.host_seen if self.static else self.seen
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
         if self.static and (self.decoding or query_len(query_length) == 1):  # a later prompt chunk: the eager sizes
@@ -431,7 +436,7 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         if impl not in ("sdpa", hook.NAME):
             raise ValueError(f"StaticQuantizedPagedCache needs attn_implementation 'sdpa' or '{hook.NAME}', got "
                              f"{impl!r}; load the model with attn_implementation='sdpa' or use QuantizedPagedCache")
-        self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len, masks=self._masks)
+        self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len, shared=self._shared)
                        for _ in range(text.num_hidden_layers)]
         bound = 0
         # each layer's attention modules (weak references: a deepcopy of the cache keeps them, not copies of the
