@@ -13,10 +13,13 @@ Machines (model x cache setting):
   sliding-window pages all happen within ~100 tokens; keys and values within a few half quantization steps,
   ``range / 510`` per group, lengths exactly).
 
-Rules: a prompt or chunk of 1..40 tokens, decode steps, ``crop(-k)`` (also past the length: both empty), the older
-``crop(m)`` form (ours: keep the first m; compared with DynamicCache's ``crop(m - seen)``), ``reorder_cache`` with
-repeated indices, ``batch_select_indices`` (long / int32 / list / bool mask), ``batch_repeat_interleave``, ``reset``
-(both; a new prompt and batch size follow), bad arguments, and failures injected part way through an operation.
+Rules: a prompt or chunk of 1..40 tokens, decode steps, a new left-padded prompt (pads are not stored: the sequences'
+lengths, sinks and windows differ from then on), ``crop(-k)`` (also past the length: both empty), the older ``crop(m)``
+form (ours: keep the first m; compared with DynamicCache's ``crop(m - seen)``), crop exactly at a sliding-window
+layer's limit or one beyond, ``reorder_cache`` with repeated indices, ``batch_select_indices`` (long / int32 / list /
+bool mask), ``batch_repeat_interleave``, a fork (copies of a sequence share its pages), a crop back and decode steps to
+the next flush (the copies' own tokens then go into the shared, partly filled page: copy-on-write), ``reset`` (both; a
+new prompt and batch size follow), every bad argument, and failures injected part way through an operation.
 
 After every step, per layer: ``get_seq_length`` and the batch size equal DynamicCache's; the materialized
 ``keys``/``values`` agree (a sliding-window layer's released tokens are zeros in ours and are not compared, and no
@@ -273,7 +276,8 @@ class _Inject:
                 return real(pool, new_capacity)
 
             self._patch = unittest.mock.patch.object(PagePool, "_grow", grow)
-        elif self.target == "index_select":  # out of memory in a tensor allocation (the batch operations' gathers)
+        elif self.target == "index_select":  # out of memory in a tensor allocation (gathers: the batch operations',
+            # the torch path's attention)
             real = torch.Tensor.index_select
 
             def index_select(t, *args, **kwargs):
@@ -422,7 +426,8 @@ class _Lockstep(RuleBasedStateMachine):
 
     def _reset_both(self, batch: int | None = None) -> None:
         self.ours.reset()
-        self.dyn.reset()
+        # a fresh reference: transformers 5.17's DynamicCache.reset() zeroes its tensors but keeps their length
+        self.dyn = DynamicCache()
         self._clear(self.batch_size if batch is None else batch)
         assert int(self.ours.get_seq_length()) == 0, "get_seq_length after reset"
         assert all(not layer.is_initialized for layer in self.ours.layers), "a layer initialized after reset"
