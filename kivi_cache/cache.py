@@ -10,8 +10,9 @@ from transformers.cache_utils import Cache
 from transformers.configuration_utils import PretrainedConfig
 
 from . import checks
+from .batch import repeat_index
 from .config import QuantConfig, _check_int
-from .layer import QuantizedPagedLayer, SharedState, repeat_index
+from .layer import QuantizedPagedLayer, SharedState
 from .memory import MemoryReport
 
 
