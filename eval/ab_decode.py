@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import cold_graph_bench, decode_args, graph_bench, make_pool, pool_bytes  # noqa: E402  (the benchmark's problem builders)
 from graph_gap import Clocks, burst  # noqa: E402  (SM clock samples from nvidia-smi; back-to-back calls)
 
-from kivi_cache import kernels as cur  # noqa: E402
+from kivi_cache.kernels import api as cur  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--impl", action="append", default=[], help="name=package_dir[:field=value,...] (its tuning; KEY=VAL "

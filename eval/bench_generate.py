@@ -1127,9 +1127,9 @@ def maxbatch_rates(row: dict, n: int, m: int) -> dict:
 def kivi_kernel_names() -> list[str]:
     names = []
     try:
-        from kivi_cache.kernels import attention, dequant, quantize  # noqa: PLC0415
+        from kivi_cache.kernels import decode_merge, decode_split, dequant, quantize  # noqa: PLC0415
 
-        for mod in (attention, dequant, quantize):
+        for mod in (decode_split, decode_merge, dequant, quantize):
             for name, obj in vars(mod).items():
                 if type(obj).__name__ in ("JITFunction", "Autotuner", "Heuristics") and name.endswith("kernel"):
                     names.append(name)

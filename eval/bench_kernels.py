@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
-from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
+from kivi_cache.kernels import api as KK  # noqa: E402
 from kivi_cache.kernels import tuning as KT  # noqa: E402
 
 GB = 1e9

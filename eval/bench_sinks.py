@@ -59,9 +59,9 @@ from transformers.models.gpt_oss import modeling_gpt_oss as G  # noqa: E402
 from eval.bench_kernels import make_pool  # noqa: E402
 from eval.bench_sliding import compare_generate, interleaved, log, run_parts  # noqa: E402
 from kivi_cache import Int4PagedCache, StaticQuantizedPagedCache, hook  # noqa: E402
-from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
 from kivi_cache.cache import INT4_PRESET  # noqa: E402
+from kivi_cache.kernels import api as KK  # noqa: E402
 from kivi_cache.static import StaticQuantizedPagedLayer  # noqa: E402
 
 GPT_OSS_20B = dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,

@@ -49,16 +49,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # smollm2.py
 
 import transformers  # noqa: E402
 import triton  # noqa: E402
+from smollm2 import leading_agreement  # noqa: E402  (examples/smollm2.py)
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM  # noqa: E402,E501
 
 from eval.bench_kernels import graph_bench, make_pool  # noqa: E402
 from kivi_cache import Int4PagedCache, cache_kwargs, hook  # noqa: E402
-from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
-from kivi_cache.models import leading_agreement  # noqa: E402
+from kivi_cache.kernels import api as KK  # noqa: E402
 
 MISTRAL_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=14336, vocab_size=32000, head_dim=128)

@@ -23,9 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.perplexity import load_texts, stream_nll, token_batch  # noqa: E402
+from eval.perplexity import load_texts, smollm2_module, stream_nll, token_batch  # noqa: E402
 from kivi_cache import QuantizedPagedCache  # noqa: E402
-from kivi_cache.models import load_smollm2  # noqa: E402
 
 
 def main():
@@ -38,7 +37,7 @@ def main():
     torch.set_num_threads(1)
     from transformers import DynamicCache
 
-    model, tok = load_smollm2()
+    model, tok = smollm2_module().load_smollm2()  # examples/smollm2.py
     ids, _ = token_batch(tok, load_texts(), args.docs, args.tokens)
     t = time.time()
     ref, ref1 = stream_nll(model, ids, DynamicCache(), progress=False)

@@ -36,9 +36,12 @@ import transformers
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import smollm2  # noqa: E402  (examples/smollm2.py: the model's loader and the sample text)
 
 import kivi_cache  # noqa: E402
-from kivi_cache import Int2PagedCache, Int4PagedCache, cache_kwargs, models  # noqa: E402
+from kivi_cache import Int2PagedCache, Int4PagedCache, cache_kwargs  # noqa: E402
 
 CACHES = ("dynamic", "quanto_int4", "kivi_int4", "kivi_int2", "kivi_int4_reference")
 
@@ -106,10 +109,10 @@ def main(argv=None, loaded=None) -> dict:
             names.remove("quanto_int4")
     else:
         quanto = None
-    model, tok = loaded or models.load_smollm2()
+    model, tok = loaded or smollm2.load_smollm2()
     if model.config._attn_implementation != args.attn:
         model.set_attn_implementation(args.attn)
-    text = tok(models.sample_text(), return_tensors="pt").input_ids
+    text = tok(smollm2.sample_text(), return_tensors="pt").input_ids
     rows = {}
     for n in (int(x) for x in args.prompts.split(",")):
         if n > text.shape[1]:

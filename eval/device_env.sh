@@ -4,7 +4,6 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-ln -sfn ../kernels kivi_cache/kernels
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1

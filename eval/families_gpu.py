@@ -25,13 +25,14 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # smollm2.py
 
 import transformers as T  # noqa: E402
+from smollm2 import leading_agreement  # noqa: E402  (examples/smollm2.py)
 from transformers import DynamicCache  # noqa: E402
 
 from kivi_cache import QuantizedPagedCache, cache_kwargs  # noqa: E402
 from kivi_cache.layer import QuantizedPagedLayer  # noqa: E402
-from kivi_cache.models import leading_agreement  # noqa: E402
 
 # head_dim 64 or 128 (the kernels' sizes), GQA where the family has it
 BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

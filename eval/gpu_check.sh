@@ -12,7 +12,6 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-ln -sfn ../kernels kivi_cache/kernels
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KIVI_TEST_GPU=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

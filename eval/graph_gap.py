@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_kernels import decode_args, graph_bench, make_pool  # noqa: E402
 
-from kivi_cache import kernels as KK  # noqa: E402
+from kivi_cache.kernels import api as KK  # noqa: E402
 
 
 class Clocks:

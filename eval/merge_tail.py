@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_kernels import decode_args, make_pool  # noqa: E402
 
-from kivi_cache import kernels as K  # noqa: E402
+from kivi_cache.kernels import api as K  # noqa: E402
 from kivi_cache.kernels.tuning import DecodeTuning  # noqa: E402
 
 SETTINGS = {"merge_kernel": DecodeTuning(fuse_merge=False), "in_kernel": DecodeTuning(fuse_merge=True, merge_max=1024)}

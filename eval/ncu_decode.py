@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from kivi_cache import kernels as KK
+from kivi_cache.kernels import api as KK
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--bits", type=int, default=4, help="key and value bits (2 or 4)")

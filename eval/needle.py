@@ -188,14 +188,14 @@ def plot_heatmaps(rows, lengths, depths, caches, path, title=""):
 
 def write_task_data(path=HERE / "tasks" / "data" / "austen_needle.jsonl", n: int = 12, seed: int = 0,
                     max_chars: int = 3000) -> Path:
-    """Examples for the lm-eval task ``austen_needle``: the shipped sample text (Pride and Prejudice,
-    chapter 1) cut to ``max_chars``, a different code word at a different depth in each."""
-    from kivi_cache.models import sample_text
+    """Examples for the lm-eval task ``austen_needle``: the sample text examples/data/sample.txt (Pride and
+    Prejudice, chapter 1) cut to ``max_chars``, a different code word at a different depth in each."""
+    from eval.perplexity import smollm2_module
 
     rng = random.Random(seed)
     words = ["PELICAN", "HERON", "OSPREY", "PUFFIN", "KESTREL", "PLOVER", "CURLEW", "GANNET", "MERLIN",
              "LAPWING", "SISKIN", "BITTERN"]
-    base = sample_text()[:max_chars]
+    base = smollm2_module().sample_text()[:max_chars]
     base = base[: base.rfind(".") + 1]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -252,10 +252,9 @@ def main(argv=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
     caches = args.caches.split(",")
-    from eval.perplexity import default_data_path, environment, load_texts
-    from kivi_cache.models import load_smollm2
+    from eval.perplexity import default_data_path, environment, load_texts, smollm2_module
 
-    model, tok = load_smollm2()
+    model, tok = smollm2_module().load_smollm2()
     data = Path(args.data) if args.data else default_data_path()
     texts = load_texts(data, args.field)
     t0 = time.time()

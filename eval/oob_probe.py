@@ -33,8 +33,8 @@ def child(bits: str, layout: str, poison: int, splits: list[int]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_kernels import make_pool
 
-    from kivi_cache import kernels as KK
     from kivi_cache import reference as REF
+    from kivi_cache.kernels import api as KK
 
     kb, vb, g = map(int, bits.split("/"))
     dev, hq, d, page, res = torch.device("cuda" if torch.cuda.is_available() else "cpu"), 32, 128, 64, 128

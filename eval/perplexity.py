@@ -41,6 +41,17 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+EXAMPLES = HERE.parent / "examples"  # smollm2.py there: the model's loader and the texts (not in the package)
+
+
+def smollm2_module():
+    """examples/smollm2.py (``load_smollm2``, ``austen_path``, ``sample_path``, ...), examples/ put on sys.path."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import smollm2  # noqa: PLC0415
+
+    return smollm2
+
 
 # --------------------------------------------------------------------------- rows
 # kind "fp": transformers DynamicCache; "kivi": kivi_cache; "hf": transformers QuantizedCache
@@ -89,10 +100,9 @@ QUICK_ROWS = ["fp", "int4", "int2"]
 
 # --------------------------------------------------------------------------- data
 def default_data_path() -> Path:
-    """The Austen chapters beside the checkout if present, else the sample shipped with kivi_cache."""
-    from kivi_cache.models import austen_path, sample_path
-
-    return austen_path() or sample_path()
+    """The Austen chapters beside the checkout if present, else examples/data/sample.txt (examples/smollm2.py)."""
+    demo = smollm2_module()
+    return demo.austen_path() or demo.sample_path()
 
 
 def load_texts(path: str | os.PathLike | None = None, field: str = "text") -> list[str]:
@@ -552,10 +562,8 @@ def main(argv=None, model_and_tokenizer=None) -> dict:
         return saved
     torch.set_num_threads(args.threads)
     if model_and_tokenizer is None:
-        from kivi_cache.models import load_smollm2
-
         t0 = time.time()
-        model, tok = load_smollm2()
+        model, tok = smollm2_module().load_smollm2()
         print(f"loaded SmolLM2 in {time.time() - t0:.0f} s", flush=True)
     else:
         model, tok = model_and_tokenizer

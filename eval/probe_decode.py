@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kivi_cache import kernels as KK
-from kivi_cache.kernels.attention import decode_reduce
+from kivi_cache.kernels import api as KK
+from kivi_cache.kernels.decode_merge import decode_reduce
 from kivi_cache.kernels.tuning import DecodeTuning
 
 

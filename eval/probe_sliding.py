@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 
 from eval.bench_kernels import graph_bench, make_pool  # noqa: E402
-from kivi_cache import kernels as KK  # noqa: E402
-from kivi_cache.kernels import attention as A  # noqa: E402
+from kivi_cache.kernels import api as KK  # noqa: E402
+from kivi_cache.kernels import decode as D  # noqa: E402
 
 
 def case(b, ctx, window, dev, gen, hq=32, hkv=8, d=128, g=32, p=64, res=128):
@@ -34,7 +34,7 @@ def case(b, ctx, window, dev, gen, hq=32, hkv=8, d=128, g=32, p=64, res=128):
     fn = lambda: KK.paged_decode_attention(*pa, **kw)  # noqa: E731
     fn()
     fn()
-    plans = [pl for k, pl in A._PLANS.items() if k[3] == q.shape and (k[-1] == window)]
+    plans = [pl for k, pl in D._PLANS.items() if k[3] == q.shape and (k[-1] == window)]
     eager = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
     graph = graph_bench(lambda: KK.paged_decode_attention(*pa, merge=False, **kw), rep=60)
     return dict(batch=b, context=ctx, window=window, eager_us=eager * 1e3, graph_us=graph * 1e3,

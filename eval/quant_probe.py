@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_kernels import graph_bench  # noqa: E402
 
-from kivi_cache import kernels as KK  # noqa: E402
 from kivi_cache import reference as R  # noqa: E402
 from kivi_cache.config import QuantConfig  # noqa: E402
+from kivi_cache.kernels import api as KK  # noqa: E402
 from kivi_cache.kernels.tuning import QuantTuning  # noqa: E402
 from kivi_cache.pool import PagePool  # noqa: E402
 

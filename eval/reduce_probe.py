@@ -12,7 +12,7 @@ import sys
 import torch
 import triton
 
-from kivi_cache.kernels import attention as new
+from kivi_cache.kernels import decode_merge as new
 
 old_dir = sys.argv[1] if len(sys.argv) > 1 else "eval/ab/main"
 spec = importlib.util.spec_from_file_location("oldk", os.path.join(old_dir, "__init__.py"),

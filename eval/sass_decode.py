@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kivi_cache.kernels import _util, attention  # noqa: E402
+from kivi_cache.kernels import _util, decode_plan, decode_split  # noqa: E402
 from kivi_cache.kernels.tuning import DecodeTuning  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -60,7 +60,7 @@ def signature(fn, const, ptrs):
 
 
 def compile_kernel(const, warps, stages, maxnreg):
-    fn = attention._decode_split_kernel
+    fn = decode_split._decode_split_kernel
     # constexpr parameters with defaults (NEWKV, MERGE, ...) keep them unless given
     const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
              **const}
@@ -113,13 +113,13 @@ def summary(argv):
     const = dict(GROUP=4, GP=4, D=128, P=64, G=32, BLOCK=64, BLOCK_R=32, KBITS=4, VBITS=4, DOT_F32=False, KASM=True,
                  VASM=True, BF16=False, VW32=True)
     const.update({k: int(v) for k, v in (a.split("=") for a in argv)})
-    st = attention._stages(False, DecodeTuning())  # the launch's pipelining defaults
+    st = decode_plan._stages(False, DecodeTuning())  # the launch's pipelining defaults
     const.setdefault("PSTAGES", st["PSTAGES"])
     const.setdefault("RSTAGES", st["RSTAGES"])
     # VHINT and KSZ as the launch sets them (their policies)
-    const.setdefault("VHINT", attention._vhint(const["D"], const["BLOCK"], const["KBITS"], const["VBITS"],
-                                               DecodeTuning())["VHINT"])
-    const.setdefault("KSZ", attention._ksz(const["D"], const["KBITS"], bool(const["BF16"]), DecodeTuning())["KSZ"])
+    const.setdefault("VHINT", decode_plan._vhint(const["D"], const["BLOCK"], const["KBITS"], const["VBITS"],
+                                                 DecodeTuning())["VHINT"])
+    const.setdefault("KSZ", decode_plan._ksz(const["D"], const["KBITS"], bool(const["BF16"]), DecodeTuning())["KSZ"])
     warps = int(os.environ.get("W", 1))
     k = compile_kernel(const, warps, int(os.environ.get("S", const["PSTAGES"])), int(os.environ.get("R", 0)))
     res, sass = disassemble(k)
@@ -132,7 +132,7 @@ def summary(argv):
     print(" ".join(re.findall(r"(?:REG|LOCAL|SHARED):\d+", res)))
     reg = int(re.search(r"REG:(\d+)", res).group(1))
     print(f"shared memory {smem} B per program; programs per SM (registers and shared memory, as the split "
-          f"rule counts them): {attention.resident_programs(reg, smem, warps)}")
+          f"rule counts them): {decode_plan.resident_programs(reg, smem, warps)}")
     codes = const["BLOCK"] * const["D"] * 2 // 32  # codes per lane per step (1 warp)
     found = list(loops(sass))
     for n, c, _ in found:
@@ -146,7 +146,7 @@ def summary(argv):
     spills = spill_count(c)
     total = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))  # spill instructions anywhere in the kernel
     # resident warps per SM (cuda_occupancy.h, sm_90): registers are allocated per warp in units of 256 from
-    warps_sm = attention.warps_by_registers(reg)
+    warps_sm = decode_plan.warps_by_registers(reg)
     return dict(instructions=n, codes_per_lane=codes, per_code=n / codes, spills=spills,
                 shared=smem, loop_waits=waits, spills_total=total,
                 loop_spills=[spill_count(c_) for _, c_, _ in found], reg=reg, warps_per_sm=warps_sm,

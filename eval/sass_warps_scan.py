@@ -5,7 +5,7 @@ under the installed Triton and each Triton given with --triton DIR (a ``pip inst
 A one-warp program at head_dim 256 holds a [16, 256] fp32 accumulator (128 registers per lane) and spills in the
 paged loop under Triton 3.6 (eval/results/sass_ksz_d256_s31.json); with 2 warps each holds half. Per build: SASS
 per step of the paged loop per lane and summed over the program's warps (what the SM issues per step), spills,
-registers, and the warps an H200 SM keeps resident (registers and shared memory: attention.resident_programs).
+registers, and the warps an H200 SM keeps resident (registers and shared memory: decode_plan.resident_programs).
 
     python eval/sass_warps_scan.py --triton /tmp/t36 --out eval/results/sass_warps_d256_s32.json
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sass_ksz_scan import builds  # noqa: E402
 
-from kivi_cache.kernels.attention import resident_programs  # noqa: E402
+from kivi_cache.kernels.decode_plan import resident_programs  # noqa: E402
 
 WIDTHS = (("KBITS=4", "VBITS=4", "G=32"), ("KBITS=2", "VBITS=2", "G=32"), ("KBITS=4", "VBITS=2", "G=64"))
 CONFIGS = [(d, w, blk, c) for d in (256, 128) for c in WIDTHS for blk in (64, 32) for w in (1, 2, 4)

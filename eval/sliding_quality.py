@@ -37,9 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import transformers  # noqa: E402
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM  # noqa: E402
 
-from eval.perplexity import load_texts, stream_nll, token_batch  # noqa: E402
+from eval.perplexity import load_texts, smollm2_module, stream_nll, token_batch  # noqa: E402
 from kivi_cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, hook  # noqa: E402
-from kivi_cache.models import austen_path, load_smollm2  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = {
@@ -89,9 +88,10 @@ def main(argv=None) -> dict:
     if args.quick:
         args.window, args.docs, args.tokens = 48, 1, 160
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    llama, tok = load_smollm2(torch.float32)
+    demo = smollm2_module()  # examples/smollm2.py
+    llama, tok = demo.load_smollm2(torch.float32)
     model = as_sliding(llama, args.window)
-    ids, picked = token_batch(tok, load_texts(austen_path()), args.docs, args.tokens)
+    ids, picked = token_batch(tok, load_texts(demo.austen_path()), args.docs, args.tokens)
     with torch.no_grad():  # the same network: a window longer than the text changes nothing
         ref = llama(ids[:1, :200]).logits
         wide = as_sliding(llama, 4096)(ids[:1, :200]).logits

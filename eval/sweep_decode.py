@@ -13,7 +13,7 @@ import json
 import torch
 import triton
 
-from kivi_cache import kernels as KK
+from kivi_cache.kernels import api as KK
 from kivi_cache.kernels.tuning import DecodeTuning
 
 ap = argparse.ArgumentParser()

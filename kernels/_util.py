@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .checks import ALLOWED_BITS, POOL_NAMES
-
-ALLOWED_HEAD_DIMS = (64, 128, 256)
+from .checks import POOL_NAMES, kernel_limits
 
 
 @triton.jit
@@ -25,25 +23,6 @@ INTERPRETER = not isinstance(_probe, triton.runtime.JITFunction)
 def interpreting() -> bool:
     """True where Triton's interpreter runs the kernels (decided when they were defined, at import)."""
     return INTERPRETER
-
-
-def check_head_dim(d: int) -> None:
-    if d not in ALLOWED_HEAD_DIMS:
-        raise ValueError(f"head_dim={d} is not supported by the Triton kernels; allowed values: {ALLOWED_HEAD_DIMS}")
-
-
-def check_bits(key_bits: int, value_bits: int) -> None:
-    for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
-        if b not in ALLOWED_BITS:
-            raise ValueError(f"{name}={b} is not supported; allowed values: {ALLOWED_BITS}")
-
-
-def check_group(d: int, group_size: int, page_size: int | None = None) -> None:
-    g = group_size
-    if g < 1 or g & (g - 1) or d % g:
-        raise ValueError(f"group_size={g} must be a power of two dividing head_dim={d}")
-    if page_size is not None and page_size % g:
-        raise ValueError(f"page_size={page_size} must be a multiple of group_size={g}")
 
 
 def check_pool_strides(pool) -> None:
@@ -65,11 +44,12 @@ def _used_strides(t: torch.Tensor) -> tuple:
     return tuple(st if n > 1 else None for st, n in zip(t.stride(), t.shape, strict=True))
 
 
-def check_settings(d: int, key_bits: int, value_bits: int, group_size: int, page_size: int) -> None:
-    """head_dim, bits and group size (against head_dim and the page) as the kernels accept them, else ValueError."""
-    check_head_dim(d)
-    check_bits(key_bits, value_bits)
-    check_group(d, group_size, page_size)
+def check_settings(d: int, key_bits: int, value_bits: int, group_size: int, page_size: int, op: str = "") -> None:
+    """head_dim, bits, group size and page size as the kernels take them (:func:`.checks.kernel_limits`), else
+    ValueError."""
+    reason = kernel_limits(op, d, key_bits, value_bits, group_size, page_size, interpreting())
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def pow2_divisor(n: int) -> int:
@@ -80,8 +60,8 @@ def pow2_divisor(n: int) -> int:
 def block_tokens(page_size: int, group_size: int, cap: int) -> int:
     """Tokens per kernel iteration: a power of two that divides the page and is a multiple of G.
 
-    On a GPU, tiles of fewer than 32 tokens gave wrong results (seen on an H200 with
-    Triton 3.6 for page sizes 16 and 48), so there the largest power of two dividing
+    On a GPU, Triton 3.6 computes wrong results for tiles of fewer than 32 tokens (page sizes 16
+    and 48), so there the largest power of two dividing
     the page size must be >= 32 (page sizes 32, 64, 96, 128, ...); else ValueError.
     """
     blk = max(min(pow2_divisor(page_size), cap), group_size)
@@ -167,7 +147,7 @@ class Launcher:
     def compiled(self, plan_key, args: tuple):
         """The compiled kernel a fast launch of ``args`` under ``plan_key`` would use: ``(positions of the tensor
         arguments, kernel, constexprs)``, or None when there is none yet (for callers that keep a launch ready,
-        :class:`~kivi_cache.kernels.attention.DecodeRunner`)."""
+        :class:`~kivi_cache.kernels.decode.DecodeRunner`)."""
         entry = self.kernels.get(plan_key)
         if entry is None:
             return None

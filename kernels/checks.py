@@ -50,6 +50,47 @@ POOL_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 CHECK_INDICES = os.environ.get("KIVI_CHECK_INDICES") == "1"
 
 
+ALLOWED_HEAD_DIMS = (64, 128, 256)  # head_dims the kernels' tiles cover (the torch path takes any)
+
+
+def kernel_limits(op: str, head_dim: int, key_bits: int, value_bits: int, group_size: int, page_size: int,
+                  interpreted: bool = False) -> str | None:
+    """Why the Triton kernels do not cover a configuration, or None where they do: the one statement of their limits.
+    ``kivi_cache.ops`` asks it to choose the backend up front (the torch path serves what the kernels do not); the
+    kernels raise ``ValueError`` with the same text. ``op``: the op's name (``paged_decode_attention`` has limits
+    of its own); ``interpreted``: Triton's interpreter runs the kernels (no GPU tile limit)."""
+    d, g, p = head_dim, group_size, page_size
+    if d not in ALLOWED_HEAD_DIMS:
+        return f"head_dim={d} is not supported by the Triton kernels; allowed values: {ALLOWED_HEAD_DIMS}"
+    for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if b not in ALLOWED_BITS:
+            return f"{name}={b} is not supported; allowed values: {ALLOWED_BITS}"
+    if g < 1 or g & (g - 1) or d % g:
+        return f"group_size={g} must be a power of two dividing head_dim={d}"
+    if p < 1 or p % g:
+        return f"page_size={p} must be a multiple of group_size={g}"
+    if not interpreted and p & -p < 32:
+        # a kernel step is a power-of-two tile of tokens dividing the page; Triton 3.6 computes wrong results on the
+        # GPU for tiles of fewer than 32 tokens
+        return (f"page_size={p} with group_size={g} needs {max(p & -p, g)}-token tiles; the GPU kernels need "
+                f"page_size divisible by 32 (e.g. 64)")
+    if op == "paged_decode_attention":
+        sub = min(g, 32)  # channels of one value sub-tile: one accumulator each, at most 8 per head
+        if d // sub > 8 or sub < 16 or d * key_bits // 8 < 16 or p * value_bits % 32:
+            return (f"decode kernel needs value sub-tiles min(group_size, 32) >= 16 and <= 8 of them per head, and "
+                    f"pages of whole 32-bit words of value codes; got group_size={g}, head_dim={d}, page_size={p}, "
+                    f"bits={key_bits}/{value_bits}")
+        if d * key_bits // 8 % 4 or p * value_bits // 8 % 4:
+            return "code rows must be a whole number of 32-bit words (head_dim * bits / 8 % 4 == 0)"
+    return None
+
+
+def pool_config(pool) -> tuple[int, int]:
+    """``(head_dim, page_size)`` of a pool ``(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)``: the key scales'
+    last dim and the key codes' third (``[NP, H, P, D * kb / 8]``); shapes checked by the ops."""
+    return pool[1].shape[-1], pool[0].shape[2]
+
+
 def shape_of(name: str, t, dims: int) -> tuple:
     if not isinstance(t, torch.Tensor) or t.dim() != dims:
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -128,8 +169,9 @@ _OWN = threading.local()
 
 class own_state:  # noqa: N801  (used as a function: ``with checks.own_state():``)
     """Within it (this thread), the index values are not checked, as on a GPU: for the cache's calls on its own
-    block tables and lengths, valid by construction (the by-value checks cost ~40-100 us a call on the CPU, per layer
-    and step). Shapes, dtypes and devices are still checked; ``KIVI_CHECK_INDICES=1`` checks the values anyway."""
+    block tables and lengths, valid by construction (the by-value checks synchronize with the device and cost host
+    time per layer and step). Shapes, dtypes and devices are still checked; ``KIVI_CHECK_INDICES=1`` checks the
+    values anyway."""
 
     def __enter__(self):
         self.prev = getattr(_OWN, "on", False)

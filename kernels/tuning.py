@@ -43,7 +43,7 @@ def _is_int(v) -> bool:
 @dataclass(frozen=True)
 class DecodeTuning(_Settings):
     """Settings of the decode op (``paged_decode_attention``, ``DecodeRunner``): the split kernel, its merge and the
-    context split. Policies in :mod:`.attention`."""
+    context split. Policies in :mod:`.decode_plan`."""
 
     # warps per split-kernel program: one needs no cross-warp softmax reductions or barriers; two- and four-warp
     # programs decode slower (the occupancy they add costs more instructions than it hides)
@@ -91,6 +91,13 @@ class DecodeTuning(_Settings):
     # direct launches of the compiled kernels (:class:`._util.Launcher`, ``DecodeRunner``): the argument binding of
     # Triton's launch path costs tens of microseconds per launch; False: Triton's own launch every call
     fast_launch: bool = True
+    # the dots' precision: "auto" multiplies in fp16/bf16 on a GPU (fp32 queries and Triton's interpreter, whose
+    # fp16/bf16 dots are slow and bf16 arithmetic wrong, in fp32); "half": fp16/bf16 under the interpreter too (tests
+    # of the GPU arithmetic on a CPU)
+    dot: str = "auto"
+    # the code unpack: "auto" is the inline-PTX unpack where it applies (2/4-bit codes, fp16/bf16 dots, a GPU);
+    # "plain": plain Triton everywhere (the reference point of the PTX unpack in tests and benchmarks)
+    unpack: str = "auto"
 
     __hash__ = _Settings.__hash__  # (dataclass would replace an inherited one)
 
@@ -111,6 +118,8 @@ class DecodeTuning(_Settings):
             v = getattr(self, name)
             _need(v is None or isinstance(v, bool), self, name, "None (the policy), True or False")
         _need(isinstance(self.fast_launch, bool), self, "fast_launch", "True or False")
+        _need(self.dot in ("auto", "half"), self, "dot", "'auto' or 'half'")
+        _need(self.unpack in ("auto", "plain"), self, "unpack", "'auto' or 'plain'")
 
 
 @dataclass(frozen=True)

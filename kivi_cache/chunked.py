@@ -320,7 +320,7 @@ def paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_
 
 
 class DecodeRunner:
-    """:func:`paged_decode_attention` split into plan and run, as the kernels' :class:`kivi_cache.kernels.attention.
+    """:func:`paged_decode_attention` split into plan and run, as the kernels' :class:`kivi_cache.kernels.decode.
     DecodeRunner` is (the cache's layer between two changes of its block table). The first run with a given shape,
     dtype and device of what changes per step (``q``, ``res_lengths``, the step's token, the sink logits) is the
     ordinary call, with all its checks; later ones skip the checks of the fixed tensors' shapes (the block table,

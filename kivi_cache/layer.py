@@ -220,7 +220,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                 if (run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k
                         or run.sliding_window != window):
                     run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k,
-                                                                res_v=self.res_v, direct=DECODE_RUNNER,
+                                                                res_v=self.res_v,
                                                                 sliding_window=window, own=True, **bits)
                 if deferred:  # the op writes the step's token into the window (counted already by commit)
                     k, v = step_tensors(step)
@@ -554,9 +554,6 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
 # A one-token step's window write done by the decode op itself (its new_k/new_v), not by two copies: two launches
 # fewer per layer in a host-bound eager step. (Tests and benchmarks set it False to compare the two.)
 FUSE_WINDOW_WRITE = True
-# The decode op planned once per block table and run every step (ops.DecodeRunner: direct launches of the first call's
-# argument list); False: the op's ordinary call every step (for tests and benchmarks that compare the two).
-DECODE_RUNNER = True
 
 def step_tensors(step: PendingStep) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's keys and values as the cache stores them: without autograd history (a forward run with grad

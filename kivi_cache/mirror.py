@@ -15,8 +15,8 @@ _LENGTH_ROWS: dict = {}  # (device, batch, window capacity) -> capacity + 1 view
 
 
 def all_equal(xs: list) -> bool:
-    """Every element equals the first (an empty list counts as equal). ``list.count`` runs in C: ~1 us for 892
-    ints against ~20 us for ``min(xs) == max(xs)``, and the cache asks every layer and decode step."""
+    """Every element equals the first (an empty list counts as equal). ``list.count`` runs in C, an order of
+    magnitude faster than ``min(xs) == max(xs)`` on long lists, and the cache asks every layer and decode step."""
     return not xs or xs.count(xs[0]) == len(xs)
 
 
@@ -30,7 +30,7 @@ class DeviceMirror:
         if self._dev is None:
             width = max(1, max(map(len, self.tables), default=1))
             cols = self._table_columns(width)
-            # through numpy, not torch.tensor on nested lists (892 sequences: 1.05 -> 0.42 ms, eval/host_probe.py)
+            # through numpy: torch.tensor on nested lists is several times slower for large batches
             bt = np.array([t if len(t) == cols else t + [-1] * (cols - len(t)) for t in self.tables], dtype=np.int32)
             r = self.r_lens
             self._bt_width = width

@@ -1,16 +1,17 @@
-"""One function per paged operation; each picks the Triton kernel or a torch implementation.
+"""One function per paged operation; each picks the Triton kernel or a torch implementation, up front.
 
 Backend choice (``set_backend``): ``"auto"`` (default) uses the kernels for CUDA tensors when Triton is importable
-and the torch path otherwise (CPU): :mod:`kivi_cache.chunked`, which attends a chunk of pages at a time and never
-builds the dequantized history (the other operations are the reference's). On a CUDA tensor without working kernels
-the torch path is used and a warning is issued once, so a GPU run is never silently slow. ``"torch"`` forces the
-reference (:mod:`kivi_cache.reference`, the oracle: it dequantizes the whole history on each call), ``"triton"``
-forces the kernels (also on CPU under ``TRITON_INTERPRET=1``).
+and they cover the configuration (:func:`kivi_cache.kernels.checks.kernel_limits`: head_dim, bits, group and page
+size), and the torch path otherwise: :mod:`kivi_cache.chunked`, which attends a chunk of pages at a time and never
+builds the dequantized history (the other operations are the reference's). On a CUDA tensor the torch path warns
+once per reason, so a GPU run is never silently slow. ``"torch"`` forces the reference (:mod:`kivi_cache.reference`,
+the oracle: it dequantizes the whole history on each call), ``"triton"`` forces the kernels (also on CPU under
+``TRITON_INTERPRET=1``). Whichever runs checks the arguments (:mod:`kivi_cache.kernels.checks`) and raises
+``ValueError`` for a bad one, before anything is written.
 """
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import torch
@@ -22,7 +23,8 @@ _BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
 _kernels = None
 _kernel_error: str | None = None
-_warned = False
+_warned: set = set()
+_limits: dict = {}
 
 
 def set_backend(name: str) -> None:
@@ -37,19 +39,14 @@ def get_backend() -> str:
 
 
 def _load_kernels():
-    """The Triton kernels' ops (a namespace of the five ops, ``DecodeRunner`` and ``interpreting``), imported on first
-    use from the kernel modules themselves (importing ``kivi_cache.kernels`` or its checks imports no Triton); None
-    where they cannot load (:func:`kernel_error` says why)."""
+    """:mod:`kivi_cache.kernels.api` (the kernels' ops), imported on first use (it imports Triton; the package's
+    checks do not); None where it cannot load (:func:`kernel_error` says why)."""
     global _kernels, _kernel_error
     if _kernels is None and _kernel_error is None:
         try:
-            from .kernels import _util, attention, dequant, quantize  # noqa: PLC0415  (imports triton)
+            from .kernels import api  # noqa: PLC0415  (imports triton)
 
-            _kernels = types.SimpleNamespace(
-                quantize_and_write=quantize.quantize_and_write, append_and_flush=quantize.append_and_flush,
-                dequantize_pages=dequant.dequantize_pages, paged_decode_attention=attention.paged_decode_attention,
-                paged_prefix_attention=attention.paged_prefix_attention, DecodeRunner=attention.DecodeRunner,
-                interpreting=_util.interpreting)
+            _kernels = api
         except Exception as exc:  # ImportError, or triton failing to initialise
             _kernel_error = f"{type(exc).__name__}: {exc}"
     return _kernels
@@ -63,8 +60,27 @@ def kernel_error() -> str | None:
     return _kernel_error
 
 
-def _impl(device_type: str):
-    global _warned
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"kivi_cache: {reason}; using the torch path on the GPU, which is much slower", RuntimeWarning,
+                      stacklevel=4)
+
+
+def _limit(op: str, pool, key_bits: int, value_bits: int, group_size: int) -> str | None:
+    """:func:`~kivi_cache.kernels.checks.kernel_limits` for this call's configuration (remembered per configuration:
+    a decode step asks once per layer)."""
+    d, p = checks.pool_config(pool)
+    key = (op, d, p, key_bits, value_bits, group_size)
+    if key not in _limits:
+        _limits[key] = checks.kernel_limits(op, d, key_bits, value_bits, group_size, p, _kernels.interpreting())
+    return _limits[key]
+
+
+def _impl(device_type: str, op: str = "", pool=None, key_bits: int = 0, value_bits: int = 0, group_size: int = 0):
+    """The module that runs ``op`` here: the kernels, :mod:`.chunked` or :mod:`.reference` (see the module's
+    docstring). With ``pool`` and the bits, a configuration the kernels do not cover goes to the torch path under
+    ``"auto"`` (with a warning on a GPU); ``"triton"`` then raises the kernels' ValueError when called."""
     if _backend == "torch":
         return reference
     if _backend == "triton":
@@ -80,56 +96,47 @@ def _impl(device_type: str):
         return chunked
     mod = _load_kernels()
     if mod is None:
-        if not _warned:
-            warnings.warn(
-                f"kivi_cache: Triton kernels unavailable ({_kernel_error}); falling back to the torch "
-                "path on the GPU, which is much slower", RuntimeWarning, stacklevel=3)
-            _warned = True
+        _warn_once(f"Triton kernels unavailable ({_kernel_error})")
         return chunked
+    if pool is not None:
+        reason = _limit(op, pool, key_bits, value_bits, group_size)
+        if reason is not None:
+            _warn_once(f"the {op} kernel does not cover this configuration ({reason})")
+            return chunked
     return mod
 
 
-_unsupported_warned: set = set()
-
-
-def _call(name: str, device, *args, **kwargs):
-    mod = _impl(device.type)
-    torch_path = mod is reference or mod is chunked
-    if not torch_path and device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+def _call(name: str, device, pool, bits: tuple, *args, **kwargs):
+    """``name`` of the module :func:`_impl` picks, called with ``args`` (the op's positional arguments, ``pool``
+    among them) on ``device``'s GPU."""
+    mod = _impl(device.type, name, pool, *bits)
+    if mod is not reference and mod is not chunked and device.type == "cuda" and device.index not in (
+            None, torch.cuda.current_device()):
         # Triton launches on the current device: with a model spread over GPUs (device_map), a layer's
         # tensors may live on another one.
         with torch.cuda.device(device):
-            return _call(name, device, *args, **kwargs)
-    if torch_path or _backend == "triton":
-        return getattr(mod, name)(*args, **kwargs)
-    try:
-        return getattr(mod, name)(*args, **kwargs)
-    except ValueError as exc:  # a shape or setting the kernels do not cover (e.g. head_dim 96), or a bad argument
-        # the torch path checks the same arguments before writing anything: a bad one raises here, with no warning
-        out = getattr(chunked, name)(*args, **kwargs)
-        if name not in _unsupported_warned:
-            warnings.warn(f"kivi_cache: {name} kernel does not support this configuration ({exc}); "
-                          "using the torch path", RuntimeWarning, stacklevel=3)
-            _unsupported_warned.add(name)
-        return out
+            return getattr(mod, name)(*args, **kwargs)
+    return getattr(mod, name)(*args, **kwargs)
 
 
 def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size):
-    _call("quantize_and_write", k.device, k, v, pages, slots, *pool, key_bits, value_bits, group_size)
+    _call("quantize_and_write", k.device, pool, (key_bits, value_bits, group_size), k, v, pages, slots, *pool,
+          key_bits, value_bits, group_size)
 
 
 def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, *pool, key_bits,
                      value_bits, group_size, residual_length, sink_length):
     """A decode step's window write and flush of full windows (:func:`kivi_cache.reference.append_and_flush`)."""
-    _call("append_and_flush", res_k.device, new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths,
-          block_table, *pool, key_bits, value_bits, group_size, residual_length, sink_length)
+    _call("append_and_flush", res_k.device, pool, (key_bits, value_bits, group_size), new_k, new_v, res_k, res_v,
+          res_lengths, sink_lengths, lengths, block_table, *pool, key_bits, value_bits, group_size, residual_length,
+          sink_length)
 
 
 def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None, out=None):
     """``out=(k, v)``: ``[B, H, max_len, D]`` tensors (views allowed) written in place and returned."""
     extra = {} if out is None else dict(out=out)
-    return _call("dequantize_pages", block_table.device, block_table, lengths, *pool, key_bits, value_bits,
-                 group_size, max_len=max_len, **extra)
+    return _call("dequantize_pages", block_table.device, pool, (key_bits, value_bits, group_size), block_table,
+                 lengths, *pool, key_bits, value_bits, group_size, max_len=max_len, **extra)
 
 
 def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
@@ -146,8 +153,9 @@ def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_len
         extra["sliding_window"] = sliding_window
     if sink_logits is not None:
         extra["sink_logits"] = sink_logits
-    return _call("paged_decode_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
-                 res_lengths, key_bits, value_bits, group_size, sm_scale, merge=merge, **extra)
+    return _call("paged_decode_attention", q.device, pool, (key_bits, value_bits, group_size), q, block_table,
+                 lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits, group_size, sm_scale, merge=merge,
+                 **extra)
 
 
 def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
@@ -155,51 +163,50 @@ def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_len
     extra = {} if sliding_window is None else dict(sliding_window=sliding_window)
     if sink_logits is not None:
         extra["sink_logits"] = sink_logits
-    return _call("paged_prefix_attention", q.device, q, block_table, lengths, *pool, res_k, res_v,
-                 res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size, sm_scale, **extra)
+    return _call("paged_prefix_attention", q.device, pool, (key_bits, value_bits, group_size), q, block_table,
+                 lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask, key_bits, value_bits, group_size,
+                 sm_scale, **extra)
 
 
 class DecodeRunner:
     """:func:`paged_decode_attention` over one fixed state (block table, lengths, page pool, window) called again and
-    again with new queries (plan once, run many: the cache's decode steps). The Triton kernels'
-    :class:`~kivi_cache.kernels.attention.DecodeRunner` where they run on the current device (it launches the
-    compiled kernels directly after a first ordinary call); where the torch path runs, its
-    :class:`~kivi_cache.chunked.DecodeRunner` (the fixed tensors' shapes checked once, the block table's and lengths'
-    values again after an in-place write to them); otherwise, and for a configuration the kernels do not cover, the
-    ordinary op (with its fallback to the torch path). ``direct=False``: always the ordinary op. ``own``: the caller
-    builds the index tensors itself (the cache), so the torch path does not check their values again
-    (:class:`kivi_cache.kernels.checks.own_state`). Build a new one when the state's tensors are replaced."""
+    again with new queries (plan once, run many: the cache's decode steps). The backend is chosen once, as the op
+    chooses it: the Triton kernels' :class:`~kivi_cache.kernels.decode.DecodeRunner` on a GPU (it launches the
+    compiled kernels directly after a first ordinary call), the torch path's :class:`~kivi_cache.chunked.DecodeRunner`
+    (the fixed tensors' shapes checked once, the block table's and lengths' values again after an in-place write to
+    them), else the chosen backend's op at every call (the reference; the kernels off a GPU). Called while another GPU
+    is current, it runs on the state's. ``own``: the caller builds the index tensors itself (the cache), so the torch
+    path does not check their values again (:class:`kivi_cache.kernels.checks.own_state`). Build a new one when the
+    state's tensors are replaced."""
 
     def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size,
-                 direct: bool = True, sliding_window: int | None = None, own: bool = False):
+                 sliding_window: int | None = None, own: bool = False):
         self.block_table, self.lengths, self.pool, self.res_k, self.res_v = block_table, lengths, pool, res_k, res_v
         self.own = own
         self.sliding_window = sliding_window
         self.bits = dict(key_bits=key_bits, value_bits=value_bits, group_size=group_size)
         dev = block_table.device
-        self.index = dev.index if dev.type == "cuda" else None
-        mod = _impl(dev.type)
+        self.device = dev if dev.type == "cuda" else None
+        mod = _impl(dev.type, "paged_decode_attention", pool, key_bits, value_bits, group_size)
+        self.op = mod.paged_decode_attention  # the ordinary call: the reference, or the kernels off a GPU
         self.kernel = None
-        if direct and (mod is chunked or (mod is not reference and self.index is not None)):
+        if mod is chunked or (mod is not reference and self.device is not None):
             self.kernel = mod.DecodeRunner(block_table, lengths, *pool, res_k, res_v, key_bits, value_bits,
                                            group_size, sliding_window=sliding_window)
 
     def __call__(self, q, res_lengths, sm_scale: float, new_k=None, new_v=None, sink_logits=None):
         k = self.kernel
-        if k is not None and self.index is None:  # the torch path's runner
+        if k is None:
+            new = {} if new_k is None and new_v is None else dict(new_k=new_k, new_v=new_v)
+            return self.op(q, self.block_table, self.lengths, *self.pool, self.res_k, self.res_v, res_lengths,
+                           **self.bits, sm_scale=sm_scale, sliding_window=self.sliding_window,
+                           sink_logits=sink_logits, **new)
+        if self.device is None:  # the torch path's runner
             if self.own:
                 with checks.own_state():
                     return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
             return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
-        if k is not None and torch.cuda.current_device() == self.index:
-            try:
+        if self.device.index not in (None, torch.cuda.current_device()):
+            with torch.cuda.device(self.device):
                 return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
-            except ValueError:  # a configuration the kernels do not cover: the ordinary op warns and falls back
-                if _backend == "triton":
-                    raise
-                self.kernel = None
-        new = {} if new_k is None and new_v is None else dict(new_k=new_k, new_v=new_v)
-        return paged_decode_attention(q, self.block_table, self.lengths, *self.pool, res_k=self.res_k,
-                                      res_v=self.res_v, res_lengths=res_lengths, sm_scale=sm_scale,
-                                      sliding_window=self.sliding_window, sink_logits=sink_logits, **self.bits,
-                                      **new)
+        return k.run(q, res_lengths, sm_scale, new_k, new_v, sink_logits)

@@ -1,4 +1,9 @@
 import os
+import sys
+
+# examples/ on sys.path: the demo model and texts (examples/smollm2.py: ``import smollm2``), which the package
+# itself does not hold, and the examples that tests run (generate.py, op_api.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 # The Triton interpreter must be on before any @triton.jit function is
 # decorated, i.e. before kivi_cache.kernels is imported. On a GPU machine set
@@ -36,11 +41,11 @@ def _torch_threads():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 (``load_smollm2(torch.float32)``), loaded once per
-    session for every test that runs it (a load takes 15-20 s here: the GGUF parse and dequantization). Tests must
-    leave it as they found it: a StaticQuantizedPagedCache binds itself to the attention modules (unbind with
-    ``models.unbind_static``)."""
-    from kivi_cache.models import load_smollm2
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 (``load_smollm2(torch.float32)`` of
+    examples/smollm2.py), loaded once per session for every test that runs it (a load takes 15-20 s here: the GGUF
+    parse and dequantization). Tests must leave it as they found it: a StaticQuantizedPagedCache binds itself to the
+    attention modules (unbind with ``models.unbind_static``)."""
+    from smollm2 import load_smollm2  # examples/smollm2.py
 
     return load_smollm2(torch.float32)
 

@@ -138,15 +138,14 @@ def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, p
 
     def run(fuse):
         monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)
-        monkeypatch.setattr(L, "DECODE_RUNNER", False)  # the op's ordinary call every step: the spy sees each one
         seen = []
-        real = L.ops.paged_decode_attention
 
-        def spy(*a, **kw):
-            seen.append("new_k" in kw)
-            return real(*a, **kw)
+        class Spy(L.ops.DecodeRunner):  # every decode step's call: whether it hands the op the step's token
+            def __call__(self, q, res_lengths, sm_scale, new_k=None, new_v=None, sink_logits=None):
+                seen.append(new_k is not None)
+                return super().__call__(q, res_lengths, sm_scale, new_k, new_v, sink_logits)
 
-        monkeypatch.setattr(L.ops, "paged_decode_attention", spy)
+        monkeypatch.setattr(L.ops, "DecodeRunner", Spy)
         cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
         with torch.no_grad():
             out = [model(ids[:, :10], attention_mask=mask[:, :10], **cache_kwargs(model, cache)).logits]

@@ -26,8 +26,8 @@ def test_generate_example_static_cache_gives_int4_tokens(capsys, monkeypatch, re
     import torch
     from models import unbind_static
 
-    # the session's model (tests/conftest.py) instead of a second load: the example calls load_smollm2(torch.float32),
-    # which is what the fixture returns (load_smollm2 itself runs there)
+    # the session's model (tests/conftest.py) instead of a second load: the example calls load_smollm2(torch.float32)
+    # of examples/smollm2.py, which is what the fixture returns (load_smollm2 itself runs there)
     model, tok = request.getfixturevalue("smollm2")
 
     def shared(dtype=torch.float32):

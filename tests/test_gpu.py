@@ -154,11 +154,11 @@ def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
     there); dropping the sinks changes the logits."""
     import warnings
 
+    from smollm2 import leading_agreement  # examples/smollm2.py (tests/conftest.py puts examples/ on sys.path)
     from transformers import GptOssConfig, GptOssForCausalLM
 
     from kivi_cache import StaticQuantizedPagedCache, hook
     from kivi_cache.layer import QuantizedPagedLayer
-    from kivi_cache.models import leading_agreement
 
     torch.manual_seed(0)
     model = GptOssForCausalLM(GptOssConfig(
@@ -290,8 +290,8 @@ def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
     replaced by a valid id (the reference gathers every entry)."""
     make_pool = _bench_kernels().make_pool
 
-    from kivi_cache import kernels as KK
     from kivi_cache import reference as REF
+    from kivi_cache.kernels import api as KK
 
     kb, vb, g = bits
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -324,7 +324,7 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
     lengths, the block table's width (a new plan), the dtype and a tuning setting; and the direct path is taken."""
     make_pool = _bench_kernels().make_pool
 
-    from kivi_cache.kernels import attention as A
+    from kivi_cache.kernels import decode as D
     from kivi_cache.kernels.tuning import DecodeTuning
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -339,7 +339,7 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
         rl = torch.tensor([100, 0, 31], dtype=torch.int32, device="cuda")
         ln = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         sc = {k: pool[k].to(dtype) for k in ("k_scale", "k_zero", "v_scale", "v_zero")}
-        return A.paged_decode_attention(q, pool["block_table"][:, :width].contiguous(), ln, pool["k_codes"],
+        return D.paged_decode_attention(q, pool["block_table"][:, :width].contiguous(), ln, pool["k_codes"],
                                         sc["k_scale"], sc["k_zero"], pool["v_codes"], sc["v_scale"], sc["v_zero"],
                                         rk, rv, rl, 4, 4, 32, 0.088, tuning=tuning)
 
@@ -348,12 +348,12 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
              (40, [2560, 2560, 0], torch.float16, 5), (64, [4096, 64, 1000], torch.bfloat16, 6),
              (64, [4096, 64, 1000], torch.bfloat16, 7)]
     slow = [call(*c, tuning=DecodeTuning(fast_launch=False)) for c in calls]
-    before = A._SPLIT.fast_launches
+    before = D._SPLIT.fast_launches
     for _ in range(2):
         fast = [call(*c) for c in calls]
         for c, x, y in zip(calls, slow, fast, strict=True):
             assert torch.equal(x, y), c
-    assert A._SPLIT.fast_launches - before >= len(calls)  # the second round runs through the cached kernels
+    assert D._SPLIT.fast_launches - before >= len(calls)  # the second round runs through the cached kernels
     # a setting of the plan: planned again, still equal
     slow2 = call(*calls[0], tuning=DecodeTuning(split_min=512, fast_launch=False))
     t = DecodeTuning(split_min=512)
@@ -402,7 +402,7 @@ def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
     acq_rel atomics, partials read through L2): many calls in a row, every (sequence, KV head) with the given paged
     splits plus the window's programs (64-slot chunks at these small batches: 4..18 partials, unrolled merge, and
     41..131, ``merge_max`` 256: the merge's loop), against the two-kernel path."""
-    from kivi_cache.kernels import attention as A
+    from kivi_cache.kernels import decode as D
     from kivi_cache.kernels.tuning import DecodeTuning
 
     bk = _bench_kernels()
@@ -411,10 +411,10 @@ def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
     for b, hkv, ctx, splits in ((1, 8, 1024, 3), (4, 8, 4096, 15), (8, 2, 2048, 1), (3, 4, 3008, 7),
                                 (1, 8, 32768, 128), (2, 4, 8192, 40)):
         args = _int4_decode_args(bk, b, hkv, ctx, gen, min_window=0)
-        two = A.paged_decode_attention(*args, num_splits=splits, tuning=unfused)  # the merge kernel
+        two = D.paged_decode_attention(*args, num_splits=splits, tuning=unfused)  # the merge kernel
         for _ in range(20):
-            one = A.paged_decode_attention(*args, num_splits=splits, tuning=fused)
-            assert any(p.merge_meta is not None and p.ints[1] == splits for p in A._PLANS.values())  # NS paged splits
+            one = D.paged_decode_attention(*args, num_splits=splits, tuning=fused)
+            assert any(p.merge_meta is not None and p.ints[1] == splits for p in D._PLANS.values())  # NS paged splits
             err = ((one.float() - two.float()).norm() / two.float().norm()).item()
             assert err < 1e-3, (b, hkv, ctx, splits, err)
 
@@ -426,7 +426,7 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
     with and without the step's token written by the kernel and the in-kernel merge; a change of settings, strides
     or the token's presence goes through the ordinary call again. The runners and calls run under ``tuning.DEFAULT``
     (the cache's way), set here."""
-    from kivi_cache.kernels import attention as A
+    from kivi_cache.kernels import decode as D
     from kivi_cache.kernels import tuning as T
 
     default = T.Tuning(decode=T.DecodeTuning(fuse_merge=merge))
@@ -438,7 +438,7 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
         args = _int4_decode_args(bk, b, hkv, ctx, gen, min_window=1)
         fixed, bits = args[1:11], args[12:15]
         for with_new in (False, True, False):
-            run = A.DecodeRunner(*fixed, *bits)
+            run = D.DecodeRunner(*fixed, *bits)
             for i in range(8):
                 q = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
                 rl = torch.randint(1, 160, (b,), device=dev, generator=gen, dtype=torch.int32)
@@ -447,22 +447,22 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
                     nk = torch.randn(b, hkv, 1, 128, device=dev, generator=gen, dtype=torch.float16)
                     new = dict(new_k=nk, new_v=torch.randn_like(nk))
                 got = run.run(q, rl, 0.088, **new)
-                want = A.paged_decode_attention(q, *fixed, rl, *bits, 0.088, **new)
+                want = D.paged_decode_attention(q, *fixed, rl, *bits, 0.088, **new)
                 assert torch.equal(got, want), (b, hkv, ctx, with_new, i)
             # every call after the first (after the second where the first was the process's first of the kernel:
             # its plan waits for the compiled kernel's residency)
             assert run.fast_runs >= 6, (b, hkv, ctx, with_new, run.fast_runs)
             qt = torch.randn(b, 128, 32, device=dev, generator=gen, dtype=torch.float16).transpose(1, 2)  # strides
-            assert torch.equal(run.run(qt, rl, 0.088, **new), A.paged_decode_attention(qt, *fixed, rl, *bits, 0.088,
+            assert torch.equal(run.run(qt, rl, 0.088, **new), D.paged_decode_attention(qt, *fixed, rl, *bits, 0.088,
                                                                                         **new))
             assert run.fast_runs >= 6
         # a plan setting of the default: the ordinary call again, then direct
         monkeypatch.setattr(T, "DEFAULT", T.Tuning(decode=T.DecodeTuning(fuse_merge=merge, split_min=512)))
-        run = A.DecodeRunner(*fixed, *bits)
+        run = D.DecodeRunner(*fixed, *bits)
         for _ in range(3):
-            assert torch.equal(run.run(q, rl, 0.088), A.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
+            assert torch.equal(run.run(q, rl, 0.088), D.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
         monkeypatch.setattr(T, "DEFAULT", default)
-        assert torch.equal(run.run(q, rl, 0.088), A.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
+        assert torch.equal(run.run(q, rl, 0.088), D.paged_decode_attention(q, *fixed, rl, *bits, 0.088))
         assert run.fast_runs == 2
         # a window length or step token on the CPU after direct runs: the ordinary call, whose check names it
         with pytest.raises(ValueError, match="res_lengths|device"):

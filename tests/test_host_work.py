@@ -50,12 +50,16 @@ def test_an_eager_decode_step_dispatches_no_more_tensor_ops_than_the_dynamic_cac
     fp16 = _decode_step_ops(model, DynamicCache(), prompt)
     calls = []
 
-    def paged_attention(q, *args, **kwargs):  # stands in for the Triton op: two launches per call on a GPU
-        calls.append(q.shape)
-        return q.new_zeros(q.shape)
+    class Runner:  # stands in for the decode op's runner (on a GPU: the Triton kernels, two launches per call)
+        def __init__(self, block_table, lengths, *pool, res_k, res_v, sliding_window=None, **kwargs):
+            self.block_table, self.lengths, self.res_k = block_table, lengths, res_k
+            self.sliding_window = sliding_window
 
-    monkeypatch.setattr(L.ops, "paged_decode_attention", paged_attention)
-    monkeypatch.setattr(L, "DECODE_RUNNER", False)  # every step through the stand-in (not the torch path's runner)
+        def __call__(self, q, *args, **kwargs):
+            calls.append(q.shape)
+            return q.new_zeros(q.shape)
+
+    monkeypatch.setattr(L.ops, "DecodeRunner", Runner)
     ours = _decode_step_ops(model, Int4PagedCache(), prompt)
     ours["new_zeros"] -= layers  # the stand-in's own outputs in the counted step
     assert len(calls) == 2 * layers  # the two decode steps (the first one is not counted)

@@ -17,14 +17,17 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kivi_cache import kernels as K
 from kivi_cache import reference as R
-from kivi_cache.kernels import attention as KA
+from kivi_cache.kernels import api as K
+from kivi_cache.kernels import decode as KD
+from kivi_cache.kernels import decode_plan as KP
+from kivi_cache.kernels import decode_split as KS
 from kivi_cache.kernels import tuning as KT
 from kivi_cache.quant import qmax, unpack
 
 ON_GPU = os.environ.get("KIVI_TEST_GPU") == "1" and torch.cuda.is_available()
 DEV = torch.device("cuda" if ON_GPU else "cpu")
+HALF = KT.DecodeTuning(dot="half")  # fp16/bf16 dots under the interpreter too: the GPU's arithmetic
 TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 BITS = [(2, 2), (4, 4), (8, 8), (2, 4)]
 MAX_ERR: dict = {}
@@ -111,10 +114,9 @@ def test_available():
 
 
 def test_kernels_take_the_references_arguments():
-    """kernels/__init__.py: each public function is the twin of the reference's, "same signature ... a few extra
+    """kernels/api.py: each public function is the twin of the reference's, "same signature ... a few extra
     keyword-only tuning arguments": the reference's parameters, in its order, of the same kind and default, and the
-    extra ones keyword-only (before, the reference took its optional arguments after sm_scale positionally, the
-    kernels only by keyword: a call written against the reference failed on the kernels with TypeError)."""
+    extra ones keyword-only (a call written against the reference runs on the kernels)."""
     import inspect
 
     for name in ("quantize_and_write", "append_and_flush", "dequantize_pages", "paged_decode_attention",
@@ -380,7 +382,7 @@ def test_decode_reduce(bsz, hq, d, nsp1, dtype):
     # the merge of split partials alone, many splits (several loop rounds and a partial one), empty
     # splits (-inf max, 0 sum, whatever output) and one all-empty row (-> 0); poisoned output; 512 rows
     # take the whole-row grid
-    from kivi_cache.kernels.attention import decode_reduce
+    from kivi_cache.kernels.decode_merge import decode_reduce
     m = torch.randn(bsz * hq, nsp1, device=DEV) * 4
     m[:, ::7] = float("-inf")
     m[-1] = float("-inf")
@@ -403,17 +405,16 @@ def test_resident_programs_and_split_waves():
     # registers 6, d=256 (47.6 KB shared) 4
     from types import SimpleNamespace
 
-    from kivi_cache.kernels import attention as A
-    assert A.resident_programs(241, 25608, 1) == 8
-    assert A.resident_programs(168, 26120, 2) == 6
-    assert A.resident_programs(246, 47624, 1) == 4
-    assert A.resident_programs(32, 0, 1) == 32  # block limit
+    assert KP.resident_programs(241, 25608, 1) == 8
+    assert KP.resident_programs(168, 26120, 2) == 6
+    assert KP.resident_programs(246, 47624, 1) == 4
+    assert KP.resident_programs(32, 0, 1) == 32  # block limit
     # per sub-partition: 140 registers fit 3 warps in each quarter of the file = 12 (the whole file: 14)
-    assert A.warps_by_registers(140) == 12 and A.resident_programs(140, 26120, 4) == 3
+    assert KP.warps_by_registers(140) == 12 and KP.resident_programs(140, 26120, 4) == 3
     fake = SimpleNamespace(n_regs=168, metadata=SimpleNamespace(shared=26120, num_warps=2))
     cpu = torch.device("cpu")
-    assert A._resident_of(fake, cpu) == 6 and A._resident_of(object(), cpu) is None
-    assert A.resident_programs(241, 25608, 1, sm_shared=167936) == 6  # A100: 164 KB of shared memory per SM
+    assert KP._resident_of(fake, cpu) == 6 and KP._resident_of(object(), cpu) is None
+    assert KP.resident_programs(241, 25608, 1, sm_shared=167936) == 6  # A100: 164 KB of shared memory per SM
 
 
 
@@ -430,9 +431,8 @@ def test_resident_programs_and_split_waves():
     (1, 8, 131072, 4, 131),  # 4 per SM: one wave is 66 splits, two waves of 1024-token splits
 ])
 def test_split_count_rule(bsz, hkv, ctx, resident, splits):
-    from kivi_cache.kernels import attention as A
-    assert A.split_count(bsz, hkv, ctx, 132, resident, t=KT.DecodeTuning()) == splits  # the default settings
-    assert A.split_count(bsz, hkv, ctx, 132, resident) == splits  # (which tuning.DEFAULT holds)
+    assert KP.split_count(bsz, hkv, ctx, 132, resident, t=KT.DecodeTuning()) == splits  # the default settings
+    assert KP.split_count(bsz, hkv, ctx, 132, resident) == splits  # (which tuning.DEFAULT holds)
 
 
 def test_decode_head_dim_128():
@@ -604,7 +604,7 @@ def test_decode_half_precision_dot_path(kb, vb, g):
     """The GPU path's plumbing (folded scales packed in pairs, fp16 dot operands; on the GPU the pairs
     come from inline PTX, here from its plain-Triton emulation) on any device."""
     args = decode_case(2, 2, 4, 64, 128, g, kb, vb, torch.float16, [96, 192], [5, 17])
-    run_decode(args, f"decode half-dot {kb}/{vb}", _force_half_dot=True)
+    run_decode(args, f"decode half-dot {kb}/{vb}", tuning=HALF)
 
 
 @pytest.mark.parametrize("srcmin", [6, 4])
@@ -613,40 +613,38 @@ def test_decode_half_dot_codes_read_in_place(kb, vb, g, srcmin):
     """``DecodeTuning.srcmin``: codes read where they sit in the mantissa, zero points folded with that field's power
     of two (unpack.field); 4-bit keys in groups of 64 (ODD pairs) fold their two pairs with different powers."""
     args = decode_case(2, 2, 4, 64, 128, g, kb, vb, torch.float16, [96, 192], [5, 17])
-    run_decode(args, f"decode half-dot srcmin{srcmin} {kb}/{vb}", _force_half_dot=True,
-               tuning=KT.DecodeTuning(srcmin=srcmin))
+    run_decode(args, f"decode half-dot srcmin{srcmin} {kb}/{vb}", tuning=KT.DecodeTuning(srcmin=srcmin, dot="half"))
 
 
 def test_decode_rejects_an_unknown_srcmin():
     args = decode_case(1, 2, 4, 64, 128, 32, 4, 4, torch.float16, [96], [5])
     with pytest.raises(ValueError, match="srcmin must be one of"):
-        run_decode(args, "srcmin 5", _force_half_dot=True, tuning=KT.DecodeTuning(srcmin=5))
+        run_decode(args, "srcmin 5", tuning=KT.DecodeTuning(srcmin=5, dot="half"))
 
 
 def test_decode_value_hint_setting():
     """``DecodeTuning.vhint``: None, the policy (on with 64-token steps at head_dim >= 128, and at head_dim 64 for 2/4
     bits), True, False give the reference's output (the hint only declares an alignment; its effect on the copies is
     checked in test_sass.py); other values are refused."""
-    from kivi_cache.kernels import attention as A
 
-    auto = {(d, step, kb, vb): A._vhint(d, step, kb, vb)["VHINT"] for d in (64, 128, 256) for step in (32, 64)
+    auto = {(d, step, kb, vb): KP._vhint(d, step, kb, vb)["VHINT"] for d in (64, 128, 256) for step in (32, 64)
             for kb in (2, 4, 8) for vb in (2, 4, 8)}
     assert auto == {(d, step, kb, vb): int(step == 64 and (d >= 128 or max(kb, vb) <= 4)) for d, step, kb, vb in auto}
     assert auto[128, 64, 2, 2] == auto[64, 64, 4, 4] == auto[64, 64, 2, 2] == auto[64, 64, 4, 2] == 1
     assert auto[64, 64, 8, 4] == auto[64, 64, 4, 8] == auto[128, 32, 4, 4] == auto[64, 32, 2, 2] == 0
     args = decode_case(2, 2, 2, 128, 64, 32, 4, 4, torch.float16, [96, 150], [5, 33])
-    assert auto == {k: A._vhint(*k, KT.DecodeTuning(vhint=None))["VHINT"] for k in auto}  # the default: the policy
+    assert auto == {k: KP._vhint(*k, KT.DecodeTuning(vhint=None))["VHINT"] for k in auto}  # the default: the policy
     for v in (True, False):
-        t = KT.DecodeTuning(vhint=v)
-        assert A._vhint(64, 32, 2, 2, t) == {"VHINT": int(v)}
-        run_decode(args, f"decode vhint {v}", _force_half_dot=True, tuning=t)
+        t = KT.DecodeTuning(vhint=v, dot="half")
+        assert KP._vhint(64, 32, 2, 2, t) == {"VHINT": int(v)}
+        run_decode(args, f"decode vhint {v}", tuning=t)
     with pytest.raises(ValueError, match="DecodeTuning.vhint must be None"):
-        run_decode(args, "vhint yes", _force_half_dot=True, tuning=KT.DecodeTuning(vhint="yes"))
+        run_decode(args, "vhint yes", tuning=KT.DecodeTuning(vhint="yes", dot="half"))
 
 
 @triton.jit
 def _key_words_probe(s_ptr, z_ptr, out_ptr, s_row, GPS: tl.constexpr, D: tl.constexpr, NK: tl.constexpr):
-    """Stores the plane tiles of KA._key_words4 (NK 4) or KA._key_words2 (NK 2) one after another: out [2 NK, GPS,
+    """Stores the plane tiles of KS._key_words4 (NK 4) or KS._key_words2 (NK 2) one after another: out [2 NK, GPS,
     D/(2 NK)], (s, z) of plane 0, then plane 1, ..."""
     g = tl.arange(0, GPS)
     srow = (s_ptr + g * s_row).to(tl.pointer_type(tl.float16), bitcast=True)
@@ -654,13 +652,13 @@ def _key_words_probe(s_ptr, z_ptr, out_ptr, s_row, GPS: tl.constexpr, D: tl.cons
     o = out_ptr + g[:, None] * (D // (2 * NK)) + tl.arange(0, D // (2 * NK))[None, :]
     n: tl.constexpr = GPS * (D // (2 * NK))
     if NK == 4:
-        s0, z0, s1, z1, s2, z2, s3, z3 = KA._key_words4(srow, zrow, D)
+        s0, z0, s1, z1, s2, z2, s3, z3 = KS._key_words4(srow, zrow, D)
         tl.store(o + 4 * n, s2)
         tl.store(o + 5 * n, z2)
         tl.store(o + 6 * n, s3)
         tl.store(o + 7 * n, z3)
     else:
-        s0, z0, s1, z1 = KA._key_words2(srow, zrow, D)
+        s0, z0, s1, z1 = KS._key_words2(srow, zrow, D)
     tl.store(o, s0)
     tl.store(o + n, z0)
     tl.store(o + 2 * n, s1)
@@ -692,43 +690,42 @@ def test_decode_key_scale_words_setting(monkeypatch):
     the default the one-load path); under the interpreter (no PTX) the setting changes nothing, and test_sass.py
     checks the GPU build's SASS instead."""
     t36 = int(triton.__version__.startswith("3.6"))  # bf16 at head_dim 128: on under 3.6 only (timed faster there)
-    assert KA._ksz(64, 2) == KA._ksz(128, 4) == KA._ksz(64, 4, True) == {"KSZ": 1}
-    assert KA._ksz(128, 2, True) == KA._ksz(128, 4, True) == {"KSZ": t36}
-    assert KA._ksz(256, 4, True) == KA._ksz(256, 2) == KA._ksz(64, 8) == KA._ksz(128, 8, True) == {"KSZ": 0}
+    assert KP._ksz(64, 2) == KP._ksz(128, 4) == KP._ksz(64, 4, True) == {"KSZ": 1}
+    assert KP._ksz(128, 2, True) == KP._ksz(128, 4, True) == {"KSZ": t36}
+    assert KP._ksz(256, 4, True) == KP._ksz(256, 2) == KP._ksz(64, 8) == KP._ksz(128, 8, True) == {"KSZ": 0}
     for dt, d, want in ((torch.float16, 128, 1), (torch.bfloat16, 128, t36), (torch.bfloat16, 64, 1)):
         q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(1, 1, 1, d, 64, 32, 2, 2, dt, [70], [7])
-        plan = KA._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 2, 2, 32, None, True, False)  # the launch's meta
+        plan = KP._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 2, 2, 32, None, tuning=HALF)  # the launch's meta
         assert plan.meta["KSZ"] == want, (dt, d, plan.meta["KSZ"])
-    monkeypatch.setattr(KA, "_TRITON_36", not t36)  # the other Triton's rule
-    assert KA._ksz(128, 2, True) == {"KSZ": 1 - t36} and KA._ksz(128, 2) == {"KSZ": 1}
+    monkeypatch.setattr(KP, "_TRITON_36", not t36)  # the other Triton's rule
+    assert KP._ksz(128, 2, True) == {"KSZ": 1 - t36} and KP._ksz(128, 2) == {"KSZ": 1}
     args = decode_case(2, 2, 2, 64, 64, 32, 2, 2, torch.float16, [96, 150], [5, 33])
-    run_decode(args, "decode ksz default", _force_half_dot=True)
+    run_decode(args, "decode ksz default", tuning=HALF)
     on, off = KT.DecodeTuning(ksz=True), KT.DecodeTuning(ksz=False)
-    assert KA._ksz(128, 2, True, on) == {"KSZ": 1} and KA._ksz(64, 8, t=on) == {"KSZ": 0}
-    assert KA._ksz(64, 2, t=off) == KA._ksz(128, 4, t=off) == {"KSZ": 0}
-    run_decode(args, "decode ksz 0", _force_half_dot=True, tuning=off)
+    assert KP._ksz(128, 2, True, on) == {"KSZ": 1} and KP._ksz(64, 8, t=on) == {"KSZ": 0}
+    assert KP._ksz(64, 2, t=off) == KP._ksz(128, 4, t=off) == {"KSZ": 0}
+    run_decode(args, "decode ksz 0", tuning=KT.DecodeTuning(ksz=False, dot="half"))
     with pytest.raises(ValueError, match="DecodeTuning.ksz must be None"):
-        run_decode(args, "ksz yes", _force_half_dot=True, tuning=KT.DecodeTuning(ksz="yes"))
+        run_decode(args, "ksz yes", tuning=KT.DecodeTuning(ksz="yes", dot="half"))
 
 
 @pytest.mark.parametrize("splits", [3, 6])
 def test_decode_half_dot_splits_past_the_end(splits):
     """64-token steps (unmasked loop + partial-step loop) with splits that start past a sequence's end."""
     args = decode_case(2, 2, 4, 64, 128, 32, 4, 4, torch.float16, [96, 200], [5, 0])
-    run_decode(args, f"decode half-dot splits{splits}", num_splits=splits, _force_half_dot=True)
+    run_decode(args, f"decode half-dot splits{splits}", num_splits=splits, tuning=HALF)
 
 
 def test_decode_plans_are_reused_per_shape_and_setting(monkeypatch):
-    """paged_decode_attention plans once per shapes/strides/dtypes/settings key (kernels.attention._PLANS): calls
+    """paged_decode_attention plans once per shapes/strides/dtypes/settings key (kernels.decode._PLANS): calls
     with other data reuse the plan and match the reference; another block-table width, dtype or environment
     setting makes a new plan. On a GPU the first call of a kernel configuration is not kept (it is planned again
     once the compiled kernel's residency is known, ``_RESIDENT``), so every new setting is called twice here: the
     count then does not depend on which tests ran before in the process. An equal tuning object is the same
     setting."""
-    from kivi_cache.kernels import attention as A
 
-    A._PLANS.clear()
-    monkeypatch.setattr(A, "_RESIDENT", {})
+    KD._PLANS.clear()
+    monkeypatch.setattr(KP, "_RESIDENT", {})
 
     def run(width, dtype, seed, **kw):
         torch.manual_seed(seed)
@@ -737,19 +734,19 @@ def test_decode_plans_are_reused_per_shape_and_setting(monkeypatch):
 
     run(4, torch.float32, 0)
     run(4, torch.float32, 1)
-    assert len(A._PLANS) == 1
+    assert len(KD._PLANS) == 1
     run(5, torch.float32, 2)
-    assert len(A._PLANS) == 2  # the residency of this configuration is known by now: kept at once
+    assert len(KD._PLANS) == 2  # the residency of this configuration is known by now: kept at once
     run(4, torch.float16, 3)
     run(4, torch.float16, 4)
-    assert len(A._PLANS) == 3
+    assert len(KD._PLANS) == 3
     run(4, torch.float16, 5)
-    assert len(A._PLANS) == 3
+    assert len(KD._PLANS) == 3
     run(4, torch.float32, 6, tuning=KT.DecodeTuning(split_min=128))
     run(4, torch.float32, 7, tuning=KT.DecodeTuning(split_min=128))
-    assert len(A._PLANS) == 4
+    assert len(KD._PLANS) == 4
     run(4, torch.float32, 8, tuning=KT.DecodeTuning())  # the default's settings: the first plan
-    assert len(A._PLANS) == 4
+    assert len(KD._PLANS) == 4
 
 
 # ----------------------------------------------------------------------------- decode writes the step's token
@@ -786,7 +783,6 @@ def test_window_read_in_chunks_by_several_programs(newkv, fuse):
     """``DecodeTuning(rchunk=64)``: a 150-slot window read by three programs (windows empty, inside one chunk, at and
     past the chunks' edges, full); with the step's token written by the chunk that holds its slot, merged by the merge
     kernel or in the split kernel: the reference's output and window; the plan has NS + 3 programs per pair."""
-    from kivi_cache.kernels import attention as A
 
     t = KT.DecodeTuning(rchunk=64, fuse_merge=fuse)
     bsz, hkv, grp, d, p, g = 6, 1, 2, 64, 64, 32
@@ -805,10 +801,10 @@ def test_window_read_in_chunks_by_several_programs(newkv, fuse):
         assert torch.equal(rk, want_k) and torch.equal(rv, want_v)
         err = rel_err(out, ref, f"decode window chunks newkv={newkv} fuse={fuse}")
         assert err < TOL[torch.float32], err
-    plans = [pl for pl in A._PLANS.values() if pl.rows == bsz * hkv * grp and pl.grid[0] == bsz * hkv]
+    plans = [pl for pl in KD._PLANS.values() if pl.rows == bsz * hkv * grp and pl.grid[0] == bsz * hkv]
     assert plans and all(pl.nsp1 == pl.ints[1] + 3 and pl.ints[2] == 64 for pl in plans)
-    assert A.window_chunk(bsz * hkv, 150, 32, torch.device("cpu"), t) == 64  # the setting, rounded to whole steps
-    assert A.window_chunk(8, 164, 32, torch.device("cpu")) >= 164  # one program for the window: the CPU default
+    assert KP.window_chunk(bsz * hkv, 150, 32, torch.device("cpu"), t) == 64  # the setting, rounded to whole steps
+    assert KP.window_chunk(8, 164, 32, torch.device("cpu")) >= 164  # one program for the window: the CPU default
 
 
 @pytest.mark.parametrize("bsz,hkv,width,chunked,ns", [(1, 8, 16, True, 4), (8, 8, 16, True, 4), (1, 8, 512, True, 128),
@@ -819,20 +815,19 @@ def test_window_chunks_only_where_they_change_no_paged_split(monkeypatch, bsz, h
     paged splits the same count as with one window program (1k at batch 1 and 8: 4 splits; batch 1 at 32k: 128,
     bounded by length), one window program where the chunks would change them (8 x 8 KV heads x 32k: 3 waves of 46
     splits instead of 2 of 32, measured 5.6% slower; 1 x 8 x 128k: 129 instead of 131). The plan alone."""
-    from kivi_cache.kernels import attention as A
 
-    monkeypatch.setattr(A, "window_chunk", lambda pairs, cap, blk, dev, t=None: 64)
-    monkeypatch.setattr(A, "_pick_splits",
-                        lambda b, h, w, dev, res, chunks=1, t=None: A.split_count(b, h, w, 132, 8, chunks, t))
+    monkeypatch.setattr(KP, "window_chunk", lambda pairs, cap, blk, dev, t=None: 64)
+    monkeypatch.setattr(KP, "_pick_splits",
+                        lambda b, h, w, dev, res, chunks=1, t=None: KP.split_count(b, h, w, 132, 8, chunks, t))
     q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(bsz, hkv, 1, 64, 64, 32, 4, 4, torch.float32,
                                                                [70] * bsz, [7] * bsz, c=160, width=width)
-    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None, False, False)
+    plan = KP._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None)
     assert plan.ints[1] == ns
     if chunked:
         assert plan.ints[2] == 64 and plan.nsp1 == ns + 3
     else:
         assert plan.ints[2] >= 160 and plan.nsp1 == ns + 1
-    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None, False, False,
+    plan = KP._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, None,
                          tuning=KT.DecodeTuning(rchunk=64))  # the setting: chunks whatever the rule says
     assert plan.ints[2] == 64 and plan.nsp1 == plan.ints[1] + 3
 
@@ -845,15 +840,14 @@ def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
     before: test_in_kernel_merge_plan_limits); outputs
     match the two-kernel path and the reference, the merge kernel is not launched, and the arrival counts are left
     at zero for the next call."""
-    from kivi_cache.kernels import attention as A
 
     # one window program on every device (NS + 1 partials); the merge kernel, then the split kernel's merge
     unfused, fused_t = KT.DecodeTuning(rchunk=4096, fuse_merge=False), KT.DecodeTuning(rchunk=4096, fuse_merge=True)
     args = decode_case(3, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300, 0, 64], [7, 0, 130], c=160)
     two = K.paged_decode_attention(*args, num_splits=splits, tuning=unfused)
     launched = []
-    real = A._REDUCE
-    monkeypatch.setattr(A, "_REDUCE", lambda *a: launched.append(1) or real(*a))
+    real = KD._REDUCE
+    monkeypatch.setattr(KD, "_REDUCE", lambda *a: launched.append(1) or real(*a))
     for _ in range(2):  # the second call reuses the plan and its counts
         out = torch.full_like(args[0], float("nan"))
         K.paged_decode_attention(*args, num_splits=splits, out=out, tuning=fused_t)
@@ -861,9 +855,9 @@ def test_split_kernel_merges_its_own_partials(monkeypatch, grp, splits):
         assert rel_err(out, two, f"fused merge g{grp} s{splits}") < 1e-5
         assert rel_err(out, R.paged_decode_attention(*args), f"fused merge ref g{grp} s{splits}") < TOL[torch.float32]
     bm = 1 << (splits).bit_length()  # next power of two of splits + 1
-    fused = splits + 1 <= A.MERGE_MAX and (1 << (grp - 1).bit_length()) * bm <= 1024
+    fused = splits + 1 <= KP.MERGE_MAX and (1 << (grp - 1).bit_length()) * bm <= 1024
     assert len(launched) == (0 if fused else 2)
-    plans = [p for p in A._PLANS.values()
+    plans = [p for p in KD._PLANS.values()
              if p.merge_meta is not None and p.pairs == 6 and p.nsp1 == splits + 1 and p.meta["GROUP"] == grp]
     assert bool(plans) == fused
     for p in plans:
@@ -879,23 +873,22 @@ def test_compiled_mode_op_never_merges_in_the_kernel(monkeypatch):
     ("tensor(s) in the cudagraph pool not tracked as outputs"). Same output as the reference and as the
     op with the in-kernel merge."""
     from kivi_cache import ops, static  # noqa: F401  (static registers torch.ops.kivi_cache.*)
-    from kivi_cache.kernels import attention as A
 
     args = decode_case(2, 2, 4, 64, 64, 32, 4, 4, torch.float32, [150, 64], [7, 33], c=48)
     patch_default_decode_tuning(monkeypatch, fuse_merge=None)  # the policy: merge in the kernel at small batches
     launched = []
-    real = A._REDUCE
-    monkeypatch.setattr(A, "_REDUCE", lambda *a: launched.append(1) or real(*a))
+    real = KD._REDUCE
+    monkeypatch.setattr(KD, "_REDUCE", lambda *a: launched.append(1) or real(*a))
     monkeypatch.setattr(ops, "_backend", "triton")
-    A._PLANS.clear()
+    KD._PLANS.clear()
     out = torch.ops.kivi_cache.paged_decode_attention(*args)
     assert launched == [1]
-    plans = list(A._PLANS.values())
+    plans = list(KD._PLANS.values())
     assert plans and all(p.merge_meta is not None for p in plans)  # the default would merge here...
     assert all(not p.counters for p in plans)  # ...but no counts were allocated
     assert rel_err(out, R.paged_decode_attention(*args), "compiled-mode op") < TOL[torch.float32]
     fused = K.paged_decode_attention(*args)  # the plain op does merge in the kernel (no second launch)
-    assert launched == [1] and any(p.counters for p in A._PLANS.values())
+    assert launched == [1] and any(p.counters for p in KD._PLANS.values())
     assert rel_err(out, fused, "compiled-mode op vs in-kernel merge") < 1e-5
 
 
@@ -905,13 +898,12 @@ def test_compiled_mode_op_never_merges_in_the_kernel(monkeypatch):
 def test_in_kernel_merge_plan_limits(grp, splits, merge_max, fused):
     """Where the split kernel merges (the plan alone, no launch): at most ``DecodeTuning.merge_max`` partials
     (default MERGE_MAX = 256) and GP x BM <= 1024 (the merging program's partial maxima and sums in registers)."""
-    from kivi_cache.kernels import attention as A
 
     # one window program on every device (NS + 1 partials)
     t = KT.DecodeTuning(fuse_merge=True, rchunk=4096, **({} if merge_max is None else {"merge_max": merge_max}))
     q, bt, _, kc, ks, _, vc, vs, vz, rk, rv, *_ = decode_case(1, 2, grp, 64, 64, 32, 4, 4, torch.float32, [300],
                                                                [7], c=160)
-    plan = A._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, splits, False, False, tuning=t)
+    plan = KP._DecodePlan(q, bt, kc, ks, vc, vs, vz, rk, rv, 4, 4, 32, splits, tuning=t)
     assert plan.nsp1 == splits + 1 and (plan.merge_meta is not None) == fused
     if fused:
         assert plan.merge_meta["BM"] >= splits + 1 and plan.merge_meta["MERGE"] == 1
@@ -1171,12 +1163,11 @@ class _LaunchSpy:
 def test_every_kernel_states_fp_fusion(monkeypatch):
     """Each kernel is launched with ``enable_fp_fusion=True`` (kernels._util.FP_FUSION): the setting the kernels were
     tuned with, which Triton 3.9 warns about when left to its default and turns off by default from 3.10."""
-    from kivi_cache.kernels import attention as A
     from kivi_cache.kernels import dequant as Dq
     from kivi_cache.kernels import quantize as Q
 
     seen: list = []
-    for mod, name in ((A, "_SPLIT"), (A, "_REDUCE"), (Q, "_QUANT"), (Q, "_APPEND")):
+    for mod, name in ((KD, "_SPLIT"), (KD, "_REDUCE"), (Q, "_QUANT"), (Q, "_APPEND")):
         launcher = getattr(mod, name)
         monkeypatch.setattr(launcher, "fn", _LaunchSpy(launcher.fn, seen, name))
     monkeypatch.setattr(Dq, "_dequant_kernel", _LaunchSpy(Dq._dequant_kernel, seen, "_dequant_kernel"))
@@ -1194,14 +1185,12 @@ def test_decode_runner_direct_launch_refuses_tensors_on_another_device():
     decision is made before any CUDA call, so it is checked here on the CPU with a recorded launch for device 0."""
     import types
 
-    from kivi_cache.kernels import attention as A
-
     q = torch.zeros(2, 4, 64, dtype=torch.float16)
     rl = torch.zeros(2, dtype=torch.int32)
     nk = torch.zeros(2, 1, 64, dtype=torch.float16)
     r = types.SimpleNamespace(qshape=q.shape, qstride=q.stride(), dtype=q.dtype, scale=0.1, rl_dtype=rl.dtype,
                               new=nk.shape, nk=nk.stride(), nv=nk.stride(), sink=None, index=0)
-    run = A.DecodeRunner.__new__(A.DecodeRunner)
+    run = KD.DecodeRunner.__new__(KD.DecodeRunner)
     assert run._launch(r, q, rl, 0.1, nk, nk) is None  # the window lengths on the CPU, the launch on cuda:0
     rl_gpu = types.SimpleNamespace(dtype=rl.dtype, stride=rl.stride, get_device=lambda: 0)
     assert run._launch(r, q, rl_gpu, 0.1, nk, nk) is None  # the step token on the CPU

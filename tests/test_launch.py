@@ -10,7 +10,10 @@ import torch
 import triton
 
 from kivi_cache.kernels import _util as U
-from kivi_cache.kernels import attention as A
+from kivi_cache.kernels import decode as D
+from kivi_cache.kernels import decode_merge as M
+from kivi_cache.kernels import decode_plan as P
+from kivi_cache.kernels import decode_split as S
 from kivi_cache.kernels import tuning as T
 
 
@@ -113,7 +116,7 @@ def test_launcher_goes_through_triton_for_a_new_key_a_misaligned_pointer_or_a_ho
 
 def test_launcher_is_on_by_default_and_off_under_the_interpreter():
     assert T.DEFAULT.decode.fast_launch and T.DEFAULT.quant.fast_launch  # on unless a tuning turns it off
-    assert U.interpreting() and not isinstance(A._decode_split_kernel, triton.runtime.JITFunction)
+    assert U.interpreting() and not isinstance(S._decode_split_kernel, triton.runtime.JITFunction)
     jit = _JIT()
     launch = U.Launcher(jit)
     x = torch.zeros(8)
@@ -152,15 +155,15 @@ def test_decode_call_sites_pass_every_runtime_parameter_positionally(monkeypatch
             seen[name] = (args, meta)
         return record
 
-    monkeypatch.setattr(A, "_SPLIT", recorder("split"))
-    monkeypatch.setattr(A, "_REDUCE", recorder("reduce"))
-    monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
+    monkeypatch.setattr(D, "_SPLIT", recorder("split"))
+    monkeypatch.setattr(D, "_REDUCE", recorder("reduce"))
+    monkeypatch.setattr(D, "_resident_of", lambda kernel, device: None)
     layer = _stored_layer(1)
     bt, ql, rl = layer._device_state()
-    A.paged_decode_attention(torch.randn(1, 4, 64), bt, ql, *layer.pool.args(), layer.res_k, layer.res_v, rl, 4, 4,
+    D.paged_decode_attention(torch.randn(1, 4, 64), bt, ql, *layer.pool.args(), layer.res_k, layer.res_v, rl, 4, 4,
                              32, 0.125,  # both kernels (batch 1 merges in the split kernel by default)
                              tuning=T.DecodeTuning(fuse_merge=False))
-    for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
+    for name, fn in (("split", S._decode_split_kernel), ("reduce", M._decode_reduce_kernel)):
         args, meta = seen[name]
         n = _runtime_params(fn)
         assert len(args) == n, (name, len(args), n)
@@ -214,16 +217,17 @@ def _fake_decode_kernels(monkeypatch) -> dict:
     the direct launcher, the op's GPU-only host parts made to run here, no plans or residency cached yet. Returns
     the fakes by name ("split", "reduce"): their ``compiled.calls`` hold every direct launch's argument list."""
     jits = {}
-    for name, fn in (("split", A._decode_split_kernel), ("reduce", A._decode_reduce_kernel)):
+    for name, fn in (("split", S._decode_split_kernel), ("reduce", M._decode_reduce_kernel)):
         jit = _JIT()
         jit.params = [_Param(p.name, p.default) for p in inspect.signature(fn.fn).parameters.values()]
         jits[name] = jit
-        monkeypatch.setattr(A, "_SPLIT" if name == "split" else "_REDUCE", U.Launcher(jit))
-    monkeypatch.setattr(A, "interpreting", lambda: False)
-    monkeypatch.setattr(A, "_cuda_index", lambda t: 0)
-    monkeypatch.setattr(A, "_resident_of", lambda kernel, device: None)
-    monkeypatch.setattr(A, "_PLANS", {})
-    monkeypatch.setattr(A, "_RESIDENT", {})
+        monkeypatch.setattr(D, "_SPLIT" if name == "split" else "_REDUCE", U.Launcher(jit))
+    monkeypatch.setattr(P, "interpreting", lambda: False)  # the plan (_DecodePlan, _use_asm, the split rules)
+    monkeypatch.setattr(D, "interpreting", lambda: False)  # DecodeRunner._prepare
+    monkeypatch.setattr(D, "_cuda_index", lambda t: 0)
+    monkeypatch.setattr(D, "_resident_of", lambda kernel, device: None)
+    monkeypatch.setattr(D, "_PLANS", {})
+    monkeypatch.setattr(P, "_RESIDENT", {})  # read by _DecodePlan, filled by paged_decode_attention
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return jits
 
@@ -244,30 +248,30 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     q = torch.randn(2, 4, 64)
     extra = dict(new_k=torch.randn(2, 2, 1, 64), new_v=torch.randn(2, 2, 1, 64)) if new else {}
     for _ in range(2):  # planned (not final: residency unknown), then planned and cached by the launchers
-        A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=t, **extra)
-    A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=t, **extra)  # the op's own direct launch
+        D.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=t, **extra)
+    D.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=t, **extra)  # the op's own direct launch
     split = jits["split"].compiled.calls[-1]
     reduce = jits["reduce"].compiled.calls[-1] if not merge else None
     assert len(jits["split"].compiled.calls) == 1 and len(jits["split"].launches) == 2
     assert not jits["reduce"].launches + jits["reduce"].compiled.calls if merge else reduce is not None
-    run = A.DecodeRunner(*fixed, 4, 4, 32, tuning=t)
+    run = D.DecodeRunner(*fixed, 4, 4, 32, tuning=t)
     run.run(q, rl, 0.125, **extra)  # the ordinary call (the launchers' direct path), then prepared
     run.run(q, rl, 0.125, **extra)
     assert run.fast_runs == 1 and len(jits["split"].compiled.calls) == 3
     mine = jits["split"].compiled.calls[-1]
     lead = 9  # grid x 3, stream, function, metadata, three hooks
-    fresh = {lead + A._A_WSM, lead + A._A_WSL, lead + A._A_WSO, lead + A._A_OUT}
+    fresh = {lead + D._A_WSM, lead + D._A_WSL, lead + D._A_WSO, lead + D._A_OUT}
     assert len(mine) == len(split)
     for i, (x, y) in enumerate(zip(split, mine, strict=True)):
         if i not in fresh:
             assert x == y, i
     # the workspace's three parts at the op's offsets, the merge kernel reading them and writing the new output
-    assert mine[lead + A._A_WSM] - mine[lead + A._A_WSO] == split[lead + A._A_WSM] - split[lead + A._A_WSO]
-    assert mine[lead + A._A_WSL] - mine[lead + A._A_WSO] == split[lead + A._A_WSL] - split[lead + A._A_WSO]
+    assert mine[lead + D._A_WSM] - mine[lead + D._A_WSO] == split[lead + D._A_WSM] - split[lead + D._A_WSO]
+    assert mine[lead + D._A_WSL] - mine[lead + D._A_WSO] == split[lead + D._A_WSL] - split[lead + D._A_WSO]
     if not merge:
         mine_r = jits["reduce"].compiled.calls[-1]
-        assert mine_r[lead:lead + 4] == (mine[lead + A._A_WSM], mine[lead + A._A_WSL], mine[lead + A._A_WSO],
-                                         mine[lead + A._A_OUT])
+        assert mine_r[lead:lead + 4] == (mine[lead + D._A_WSM], mine[lead + D._A_WSL], mine[lead + D._A_WSO],
+                                         mine[lead + D._A_OUT])
         assert mine_r[lead + 4] == mine_r[lead]  # no sink logits: the partial maxima stand in for them (unread)
         assert mine_r[:lead] == reduce[:lead] and mine_r[lead + 5:] == reduce[lead + 5:]
     else:  # the arrival counts: the plan's, as in the op's own launch (compared above); no merge kernel
@@ -276,18 +280,18 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
     extra2 = {k: torch.randn_like(v) for k, v in extra.items()}
     run.run(q2, rl2, 0.125, **extra2)
     last = jits["split"].compiled.calls[-1]
-    assert run.fast_runs == 2 and last[lead + A._A_Q] == q2.data_ptr() and last[lead + A._A_RLEN] == rl2.data_ptr()
+    assert run.fast_runs == 2 and last[lead + D._A_Q] == q2.data_ptr() and last[lead + D._A_RLEN] == rl2.data_ptr()
     # the workspace: the same shared buffer every run (and for another runner of the same shapes)
-    assert [last[lead + i] for i in (A._A_WSM, A._A_WSL, A._A_WSO)] == [mine[lead + i] for i in
-                                                                        (A._A_WSM, A._A_WSL, A._A_WSO)]
-    shared = {t.data_ptr() for t in A._SHARED_WS.values()}
-    assert mine[lead + A._A_WSO] in shared
-    other = A.DecodeRunner(*fixed, 4, 4, 32, tuning=t)
+    assert [last[lead + i] for i in (D._A_WSM, D._A_WSL, D._A_WSO)] == [mine[lead + i] for i in
+                                                                        (D._A_WSM, D._A_WSL, D._A_WSO)]
+    shared = {t.data_ptr() for t in D._SHARED_WS.values()}
+    assert mine[lead + D._A_WSO] in shared
+    other = D.DecodeRunner(*fixed, 4, 4, 32, tuning=t)
     other.run(q, rl, 0.125, **extra)
     other.run(q, rl, 0.125, **extra)
-    assert other.fast_runs == 1 and jits["split"].compiled.calls[-1][lead + A._A_WSO] == mine[lead + A._A_WSO]
+    assert other.fast_runs == 1 and jits["split"].compiled.calls[-1][lead + D._A_WSO] == mine[lead + D._A_WSO]
     if new:
-        assert (last[lead + A._A_NK], last[lead + A._A_NV]) == (extra2["new_k"].data_ptr(), extra2["new_v"].data_ptr())
+        assert (last[lead + D._A_NK], last[lead + D._A_NV]) == (extra2["new_k"].data_ptr(), extra2["new_v"].data_ptr())
     for changed in (dict(q=torch.randn(2, 64, 4).transpose(1, 2)), dict(rl=rl.long()), dict(scale=0.5)):
         n = len(jits["split"].launches) + len(jits["split"].compiled.calls)
         run.run(changed.get("q", q), changed.get("rl", rl), changed.get("scale", 0.125), **extra)
@@ -297,9 +301,9 @@ def test_decode_runner_launches_the_argument_list_of_the_op_s_own_direct_launch(
         run.run(q, rl, 0.125)  # without the token: another plan (the ordinary call), then its own template
         assert run.fast_runs == 2
         run.run(q, rl, 0.125)
-        assert run.fast_runs == 3 and jits["split"].compiled.calls[-1][lead + A._A_NK] != extra["new_k"].data_ptr()
+        assert run.fast_runs == 3 and jits["split"].compiled.calls[-1][lead + D._A_NK] != extra["new_k"].data_ptr()
         run.run(q, rl, 0.5, **extra)  # with the token again: its template (the last one, scale 0.5) kept
-        assert run.fast_runs == 4 and jits["split"].compiled.calls[-1][lead + A._A_NK] == extra["new_k"].data_ptr()
+        assert run.fast_runs == 4 and jits["split"].compiled.calls[-1][lead + D._A_NK] == extra["new_k"].data_ptr()
 
 
 @pytest.mark.parametrize("merge", [False, True])
@@ -312,9 +316,9 @@ def test_decode_runner_replaces_the_sink_logits_pointer(gpu_like, monkeypatch, m
     bt, ql, rl = layer._device_state()
     fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
     q = torch.randn(2, 4, 64)
-    run = A.DecodeRunner(*fixed, 4, 4, 32, tuning=T.DecodeTuning(fuse_merge=merge))
+    run = D.DecodeRunner(*fixed, 4, 4, 32, tuning=T.DecodeTuning(fuse_merge=merge))
     merger = jits["split" if merge else "reduce"]
-    slot = A._A_SINK if merge else 4
+    slot = D._A_SINK if merge else 4
     lead = 9
     for _ in range(3):  # planned, cached by the launchers, then prepared
         run.run(q, rl, 0.125, sink_logits=torch.zeros(4))
@@ -322,7 +326,7 @@ def test_decode_runner_replaces_the_sink_logits_pointer(gpu_like, monkeypatch, m
     fast = run.fast_runs
     run.run(q, rl, 0.125, sink_logits=sinks)
     assert run.fast_runs == fast + 1
-    fn = A._decode_split_kernel if merge else A._decode_reduce_kernel
+    fn = S._decode_split_kernel if merge else M._decode_reduce_kernel
     flag = lead + list(inspect.signature(fn.fn).parameters).index("SINK")  # constexprs follow the runtime arguments
     call = merger.compiled.calls[-1]
     assert call[lead + slot] == sinks.data_ptr() and call[flag] == 1
@@ -343,7 +347,7 @@ def test_decode_runner_follows_the_default_tuning_and_fast_launch_off_launches_t
     fixed = (bt, ql, *layer.pool.args(), layer.res_k, layer.res_v)
     q = torch.randn(2, 4, 64)
     monkeypatch.setattr(T, "DEFAULT", T.Tuning(decode=T.DecodeTuning(fuse_merge=False)))
-    run = A.DecodeRunner(*fixed, 4, 4, 32)
+    run = D.DecodeRunner(*fixed, 4, 4, 32)
     for _ in range(3):  # planned (residency unknown), planned and prepared, then direct
         run.run(q, rl, 0.125)
     assert run.fast_runs == 1 and jits["reduce"].compiled.calls  # the default's setting: the merge kernel
@@ -352,21 +356,21 @@ def test_decode_runner_follows_the_default_tuning_and_fast_launch_off_launches_t
     run.run(q, rl, 0.125)
     assert run.fast_runs == 1  # the ordinary call under the new default: the split kernel merges
     assert len(jits["reduce"].launches) + len(jits["reduce"].compiled.calls) == n
-    assert any(pl.merge_meta is not None and key[-3] is T.DEFAULT.decode for key, pl in A._PLANS.items())
+    assert any(pl.merge_meta is not None and key[-3] is T.DEFAULT.decode for key, pl in D._PLANS.items())
     run.run(q, rl, 0.125)
     assert run.fast_runs == 2 and len(jits["reduce"].launches) + len(jits["reduce"].compiled.calls) == n
     off = T.DecodeTuning(fast_launch=False)
     for runner_tuning in (None, off):  # off through the default, then through the runner's own tuning
         monkeypatch.setattr(T, "DEFAULT", T.Tuning(decode=off if runner_tuning is None else T.DecodeTuning()))
-        slow = A.DecodeRunner(*fixed, 4, 4, 32, tuning=runner_tuning)
+        slow = D.DecodeRunner(*fixed, 4, 4, 32, tuning=runner_tuning)
         direct, triton_launches = len(jits["split"].compiled.calls), len(jits["split"].launches)
         for i in range(3):
             slow.run(q, rl, 0.125)
-            A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=off)
+            D.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=off)
             assert len(jits["split"].launches) == triton_launches + 2 * (i + 1)
         assert slow.fast_runs == 0 and len(jits["split"].compiled.calls) == direct
     with pytest.raises(TypeError, match="DecodeTuning"):
-        A.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=T.Tuning())
+        D.paged_decode_attention(q, *fixed, rl, 4, 4, 32, 0.125, tuning=T.Tuning())
 
 
 def test_tuning_objects_check_their_fields_and_parse_settings():

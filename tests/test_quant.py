@@ -2,9 +2,9 @@ import pytest
 import torch
 from test_kernels import DEV, make_pool
 
-from kivi_cache import kernels as K
 from kivi_cache import quant
 from kivi_cache import reference as ref
+from kivi_cache.kernels import api as K
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

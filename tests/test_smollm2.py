@@ -29,9 +29,9 @@ import os
 
 import pytest
 import torch
+from smollm2 import austen_chapters, leading_agreement, sample_text  # examples/smollm2.py (on sys.path: conftest)
 
 from kivi_cache import Int4PagedCache, Int8PagedCache, cache_kwargs
-from kivi_cache.models import austen_chapters, leading_agreement, sample_text
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,7 +66,7 @@ def _clip(text: str, tok, max_tokens: int) -> str:
 
 
 def _passages() -> list[tuple[str, str]]:
-    """(name, text) for each prompt; the shipped P&P chapter 1 when shared/data is absent."""
+    """(name, text) for each prompt; examples/data/sample.txt (P&P chapter 1) when shared/data is absent."""
     rows = austen_chapters()
     out = []
     for book, chapter in PASSAGES:
@@ -145,8 +145,7 @@ def test_loader_fetches_nothing(monkeypatch):
     """load_smollm2 turns off the Hub's kernels layers (on by default from transformers 5.25, which fetch code at
     load time) and sets HF_HUB_OFFLINE: the loader's arguments, without loading the weights."""
     import transformers
-
-    from kivi_cache.models import load_smollm2
+    from smollm2 import load_smollm2
 
     seen = {}
 

