@@ -57,15 +57,29 @@ def _round_up(r, SDT: tl.constexpr, BUMP: tl.constexpr):
 
 
 @triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr, BUMP: tl.constexpr,
                    RECIP: tl.constexpr):
     """fp32 x quantized over AXIS -> (scale, zero) in SDT and int32 codes computed from the rounded values."""
     C: tl.constexpr = 2.0**14 if SDT == tl.float16 else 2.0**126  # kivi_cache.quant.range_bound(SDT)
-    poison = tl.sum(x - x, axis=AXIS)  # NaN where the group holds a NaN or an inf, else +0 (subtracted: no change)
+    # the group's extremes, NaN where it holds a NaN (the reductions propagate it); the extremes of the clamped values
+    # are the clamped extremes
+    lo = tl.reduce(x, AXIS, _min_nan)
+    hi = tl.reduce(x, AXIS, _max_nan)
+    poison = (lo - lo) + (hi - hi)  # NaN where the group holds a NaN or an inf, else +0 (subtracted: no change)
     x = tl.minimum(tl.maximum(x, -C), C)
-    zero = (tl.min(x, axis=AXIS) - poison).to(SDT)
+    zero = (tl.minimum(tl.maximum(lo, -C), C) - poison).to(SDT)
     zf = zero.to(tl.float32)
-    span = tl.maximum(tl.max(x, axis=AXIS) - zf, 0.0)
+    span = tl.maximum(tl.minimum(tl.maximum(hi, -C), C) - zf, 0.0)
     if RECIP:  # torch on CUDA divides by a scalar as a multiply by its fp32 reciprocal
         r = span * (1.0 / QMAX)
     else:
