@@ -212,7 +212,9 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         valid = self.masks.valid_tokens(attention_mask, n, self.batch_size)
         bits = self._bits
         if n == 1:
-            deferred = self.commit(step, valid, defer_write=FUSE_WINDOW_WRITE)
+            # a step that flushes nothing leaves its window write to the decode op: two copies fewer per layer in a
+            # host-bound eager step
+            deferred = self.commit(step, valid, defer_write=True)
             try:
                 bt, ql, rl = self._device_state()
                 pool = self.pool
@@ -551,9 +553,6 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         }
 
 
-# A one-token step's window write done by the decode op itself (its new_k/new_v), not by two copies: two launches
-# fewer per layer in a host-bound eager step. (Tests and benchmarks set it False to compare the two.)
-FUSE_WINDOW_WRITE = True
 
 def step_tensors(step: PendingStep) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's keys and values as the cache stores them: without autograd history (a forward run with grad

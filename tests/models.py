@@ -1,5 +1,8 @@
 """Tiny random models for the cache tests (no download)."""
 
+import contextlib
+from unittest import mock
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -76,3 +79,21 @@ def steps_with_reorder(model, x, cache, prompt: int, reorder_at: int, rows):
             ids = x[:, t:t + 1] if t < reorder_at else x[rows, t:t + 1]
             out.append(model(ids, **cache_kwargs(model, cache)).logits)
     return torch.cat(out, 1).float()
+
+
+@contextlib.contextmanager
+def window_written_by_copies(active: bool = True):
+    """Meanwhile (if ``active``) every step's window write is two torch copies, never left to the decode op: the
+    reference point of the fused write (``QuantizedPagedLayer.commit`` called with ``defer_write=False``)."""
+    from kivi_cache.layer import QuantizedPagedLayer
+
+    if not active:
+        yield
+        return
+    real = QuantizedPagedLayer.commit
+
+    def commit(self, step, valid=None, defer_write=False):
+        return real(self, step, valid, defer_write=False)
+
+    with mock.patch.object(QuantizedPagedLayer, "commit", commit):
+        yield

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 import torch
-from models import SMALL, decisive_prompt, tiny_llama, tiny_llama_d64, tiny_qwen2
+from models import SMALL, decisive_prompt, tiny_llama, tiny_llama_d64, tiny_qwen2, window_written_by_copies
 from transformers import DynamicCache
 
 import kivi_cache
@@ -125,9 +125,9 @@ def test_residual_window_invariant_over_many_steps():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, padded):
-    """layer.FUSE_WINDOW_WRITE: a one-token step without a flush leaves its window write to the decode op (new_k/new_v);
-    a flush step writes first (the flush reads the window). Same logits and stored state as the two copies; every
-    non-flush step deferred."""
+    """A one-token step without a flush leaves its window write to the decode op (new_k/new_v); a flush step writes
+    first (the flush reads the window). Same logits and stored state as the two copies
+    (models.window_written_by_copies); every non-flush step deferred."""
     from kivi_cache import layer as L
 
     model = tiny_qwen2(layers=1)
@@ -137,7 +137,6 @@ def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, p
         mask[1, :3] = 0  # windows of different lengths: the indexed write path
 
     def run(fuse):
-        monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)
         seen = []
 
         class Spy(L.ops.DecodeRunner):  # every decode step's call: whether it hands the op the step's token
@@ -147,7 +146,7 @@ def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, p
 
         monkeypatch.setattr(L.ops, "DecodeRunner", Spy)
         cache = QuantizedPagedCache(key_bits=4, value_bits=4, **SMALL)
-        with torch.no_grad():
+        with torch.no_grad(), window_written_by_copies(active=not fuse):
             out = [model(ids[:, :10], attention_mask=mask[:, :10], **cache_kwargs(model, cache)).logits]
             for t in range(10, ids.shape[1]):
                 out.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **cache_kwargs(model, cache)).logits)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from models import SMALL, decisive_prompt, steps_with_reorder, tiny_llama_d64
+from models import SMALL, decisive_prompt, steps_with_reorder, tiny_llama_d64, window_written_by_copies
 from transformers import DynamicCache
 
 import kivi_cache
@@ -362,11 +362,9 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, padded):
-    """The window write by the decode op (default; FUSE_WINDOW_WRITE False: two copies): the split kernel's window
+    """The window write by the decode op (models.window_written_by_copies: two copies): the split kernel's window
     program stores the step's token before reading the
     window; the step logits and the stored windows equal those of the two torch copies, bit for bit."""
-    from kivi_cache import layer as L
-
     model = tiny_llama_d64().to("cuda", torch.float16)
     ids = torch.randint(0, 128, (3, 150), device="cuda")
     mask = torch.ones_like(ids)
@@ -374,9 +372,8 @@ def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, 
         mask[1, :5] = 0
     runs = {}
     for fuse in (False, True):
-        monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)
         cache = QuantizedPagedCache(key_bits=4, value_bits=4, **dict(SMALL, page_size=64))
-        with torch.no_grad():
+        with torch.no_grad(), window_written_by_copies(active=not fuse):
             model(ids[:, :50], attention_mask=mask[:, :50], **cache_kwargs(model, cache))
             logits = torch.cat([model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1],
                                       **cache_kwargs(model, cache)).logits for t in range(50, 150)], 1)

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from models import tiny_llama
+from models import tiny_llama, window_written_by_copies
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
@@ -43,7 +43,6 @@ def _decode_step_ops(model, cache, prompt):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_an_eager_decode_step_dispatches_no_more_tensor_ops_than_the_dynamic_cache(monkeypatch, fuse):
-    monkeypatch.setattr(L, "FUSE_WINDOW_WRITE", fuse)  # the op writes the window itself
     layers = 3
     model = tiny_llama(layers=layers)
     prompt = torch.randint(0, 100, (1, 300), generator=torch.Generator().manual_seed(0))
@@ -60,7 +59,8 @@ def test_an_eager_decode_step_dispatches_no_more_tensor_ops_than_the_dynamic_cac
             return q.new_zeros(q.shape)
 
     monkeypatch.setattr(L.ops, "DecodeRunner", Runner)
-    ours = _decode_step_ops(model, Int4PagedCache(), prompt)
+    with window_written_by_copies(active=not fuse):  # fuse: the op writes the window itself
+        ours = _decode_step_ops(model, Int4PagedCache(), prompt)
     ours["new_zeros"] -= layers  # the stand-in's own outputs in the counted step
     assert len(calls) == 2 * layers  # the two decode steps (the first one is not counted)
     # per layer ours: the token's key and value into the window (2 copies; none when the op writes them) and no
