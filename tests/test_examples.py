@@ -26,7 +26,7 @@ def test_generate_example_static_cache_gives_int4_tokens(capsys, monkeypatch, re
     import torch
     from models import unbind_static
 
-    # the session's model (tests/conftest.py) instead of a second load: the example calls load_smollm2(torch.float32)
+    # the session's model (conftest.py) instead of a second load: the example calls load_smollm2(torch.float32)
     # of examples/smollm2.py, which is what the fixture returns (load_smollm2 itself runs there)
     model, tok = request.getfixturevalue("smollm2")
 

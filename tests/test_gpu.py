@@ -154,7 +154,7 @@ def test_learned_sinks_model_compiled_and_eager_on_the_gpu():
     there); dropping the sinks changes the logits."""
     import warnings
 
-    from smollm2 import leading_agreement  # examples/smollm2.py (tests/conftest.py puts examples/ on sys.path)
+    from smollm2 import leading_agreement  # examples/smollm2.py (conftest.py puts examples/ on sys.path)
     from transformers import GptOssConfig, GptOssForCausalLM
 
     from kivi_cache import StaticQuantizedPagedCache, hook

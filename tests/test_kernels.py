@@ -1,6 +1,6 @@
 """Triton kernels vs the torch reference (kivi_cache.reference).
 
-Runs under the Triton interpreter on CPU (tests/conftest.py sets
+Runs under the Triton interpreter on CPU (conftest.py sets
 TRITON_INTERPRET=1); with KIVI_TEST_GPU=1 the same tests run on the CUDA device.
 Shapes are tiny so the interpreter finishes in a couple of minutes.
 """

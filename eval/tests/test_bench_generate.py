@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from eval_scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "eval" / "bench_generate.py"
 CACHES = ["fp16", "kivi-int4", "quanto-int4"]  # quanto: measured, or skipped with the ImportError text
 CASES = ["short", "long", "ctx", "maxbatch"]
@@ -402,3 +402,26 @@ def test_peak_probe_runs_batches_with_a_chunked_prefill(tmp_path):
     fp16_kv = rows[0]["kv_allocated_GiB"] * 2**30
     assert fp16_kv == 2 * 98 * 2 * 2 * 2 * 32 * 4, rows
     assert rows[1]["kv_allocated_GiB"] * 2**30 == 3 * 164 * 2 * 2 * 2 * 32 * 4, rows
+
+
+def test_bench_generate_refuses_to_time_the_reference_on_a_gpu(monkeypatch):
+    """Where the Triton kernels cannot load, a GPU run stops (``--allow-fallback`` to time the torch path anyway)
+    instead of timing the reference as if it were the kernels."""
+    import kivi_cache
+    from kivi_cache import ops
+
+    monkeypatch.setattr(ops, "_kernels", None)
+    monkeypatch.setattr(ops, "_kernel_error", "ImportError: cannot import name 'kernels' from 'kivi_cache'")
+    monkeypatch.setattr(ops, "_warned", set())
+    bench_generate = load_script("bench_generate")
+
+    class FakeDev:  # only what main reads before the check
+        def __init__(self, device):
+            self.cuda = True
+
+    monkeypatch.setattr(bench_generate, "Dev", FakeDev)
+    try:
+        with pytest.raises(SystemExit, match="Triton kernels do not load on this GPU .*--allow-fallback"):
+            bench_generate.main(["--quick", "--device", "cpu", "--out", os.devnull])
+    finally:
+        kivi_cache.set_backend("auto")

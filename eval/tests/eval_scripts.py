@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-EVAL = Path(__file__).resolve().parents[1] / "eval"
+EVAL = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):

@@ -3,7 +3,7 @@ import sys
 
 # examples/ on sys.path: the demo model and texts (examples/smollm2.py: ``import smollm2``), which the package
 # itself does not hold, and the examples that tests run (generate.py, op_api.py)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
 
 # The Triton interpreter must be on before any @triton.jit function is
 # decorated, i.e. before kivi_cache.kernels is imported. On a GPU machine set
@@ -14,12 +14,12 @@ if os.environ.get("KIVI_TEST_GPU") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Shared by tests/ (the package's tests) and eval/tests/ (the evaluation scripts' tests).
 # One torch thread on the CPU (KIVI_TEST_THREADS to change it), the project's setting for a shared 2-core box (the
-# eval scripts' and the notebook's default): the tiny models of most tests run faster single-threaded, and a second
-# thread competing with another process for a core made one SmolLM2 generate of 48 tokens take 28 s instead of
-# 3.7 (2-core machine, another job on the other core). Before, the count depended on the order of the files:
-# tests/test_bench_generate.py runs eval/bench_generate.py's main in-process, whose --quick set 1 thread for
-# every later test, while the files before it and a file run alone got 2.
+# eval scripts' and the notebook's default): the tiny models of most tests run faster single-threaded, a second
+# thread competing with another process for a core slows a SmolLM2 generate several times, and the count does not
+# depend on the order of the files (eval/tests/test_bench_generate.py runs a script's main in-process, which sets
+# its own count).
 if os.environ.get("KIVI_TEST_GPU") != "1" or "KIVI_TEST_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ.get("KIVI_TEST_THREADS", 1)))
 
@@ -32,7 +32,7 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _torch_threads():
     """A test that changes the torch thread count does not pass the change on (eval scripts' ``main`` call
-    ``torch.set_num_threads``; tests/test_bench_generate.py runs one in-process)."""
+    ``torch.set_num_threads``; eval/tests/test_bench_generate.py runs one in-process)."""
     n = torch.get_num_threads()
     yield
     if torch.get_num_threads() != n:
