@@ -30,6 +30,7 @@ from bench_kernels import cold_graph_bench, decode_args, graph_bench, make_pool,
 from graph_gap import Clocks, burst  # noqa: E402  (SM clock samples from nvidia-smi; back-to-back calls)
 
 from kivi_cache.kernels import api as cur  # noqa: E402
+from kivi_cache.kernels import tuning  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--impl", action="append", default=[], help="name=package_dir[:field=value,...] (its tuning; KEY=VAL "
@@ -99,7 +100,7 @@ for spec_ in args.impl:
     impls.append((n, mod, *settings(mod, kv)))
 for spec_ in args.tuning:
     n, kv = spec_.split(":", 1)
-    impls.append((n, cur, cur.tuning.parse(kv), {}))
+    impls.append((n, cur, tuning.parse(kv), {}))
 hot = [int(x) for x in args.hot.split(",") if x]
 for n_ in hot:
     impls.append((f"hot{n_}", cur, None, {}))

@@ -139,7 +139,7 @@ def main():
             rk = torch.randn(b, hkv, 160, d, device=dev, dtype=torch.float16)
             rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
             nbytes = sum(x.numel() * x.element_size() for x in (kc, ks, ks, vc, vs, vs))
-            for name, kw in [(f"int{bits}", {}), (f"int{bits}-plain-unpack", {"_plain": True}),
+            for name, kw in [(f"int{bits}", {}), (f"int{bits}-plain-unpack", {"tuning": DecodeTuning(unpack="plain")}),
                              (f"int{bits}-w2", {"tuning": DecodeTuning(warps=2)})]:
                 try:
                     t = bench(lambda a=(q, bt2, l2, kc, ks, ks, vc, vs, vs, rk, rk, rl, bits, bits, g, 0.088), kw=kw:

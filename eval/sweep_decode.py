@@ -51,12 +51,12 @@ for (b, hkv, ctx) in [(8, 8, 32768), (1, 8, 131072)]:
         rl = torch.full((b,), 128, device=dev, dtype=torch.int32)
         nbytes = sum(t.numel() * t.element_size() for t in (kc, ks, ks, vc, vs, vs)) + 2 * b * hkv * 128 * d * 2
         for warps, stages, maxnreg, plain, step in SETTINGS:
-            tuning = DecodeTuning(warps=warps, stages=stages, maxnreg=maxnreg, step=step)
+            tuning = DecodeTuning(warps=warps, stages=stages, maxnreg=maxnreg, step=step,
+                                  unpack="plain" if plain else "auto")
             try:
                 args_ = (q[:, :, 0], bt, lens, kc, ks, ks, vc, vs, vs, rk, rk, rl, kb, vb, g, 0.088)
                 t = triton.testing.do_bench(
-                    lambda a=args_, plain=plain, tuning=tuning: KK.paged_decode_attention(*a, _plain=plain,
-                                                                                            tuning=tuning),
+                    lambda a=args_, tuning=tuning: KK.paged_decode_attention(*a, tuning=tuning),
                     warmup=50, rep=300, return_mode="median")
             except Exception as e:  # noqa: BLE001
                 print(f"b={b} ctx={ctx} k{kb}v{vb}g{g} w={warps} st={stages} maxnreg={maxnreg} step={step} "
