@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import inspect
 import io
 import json
 import os
@@ -135,6 +136,14 @@ def load_packages(base_dir: str, quick: bool):
     assert hook_name(base) != hook_name(cur) and base_fn is not cur_fn, "one attention function for both packages"
     assert hasattr(torch.ops.kivi_base, "paged_decode_attention"), "base's custom ops are not under kivi_base::"
     return base, cur
+
+
+def pool_args(ops, tensors) -> tuple:
+    """The pool's six tensors as ``ops`` takes them: one argument (a tuple) where its ops have a ``pool`` parameter,
+    six positional arguments where they take ``*pool`` (earlier commits)."""
+    param = inspect.signature(ops.paged_decode_attention).parameters.get("pool")
+    takes_one = param is not None and param.kind != param.VAR_POSITIONAL
+    return (tuple(tensors),) if takes_one else tuple(tensors)
 
 
 def hook_name(pkg) -> str:
@@ -332,7 +341,8 @@ class Bench:
         rv = torch.randn_like(rk)
         rl = torch.full((b,), res, device=self.dev, dtype=torch.int32)
         kw = dict(res_k=rk, res_v=rv, res_lengths=rl, key_bits=kb, value_bits=vb, group_size=g, sm_scale=d ** -0.5)
-        call = lambda ops: ops.paged_decode_attention(q, *pool, **kw)
+        bt, lens, *tensors = pool
+        call = lambda ops: ops.paged_decode_attention(q, bt, lens, *pool_args(ops, tensors), **kw)
         diff = max_diff([call(self.kb)], [call(self.kc)])
         times = time_ab({"base": lambda: call(self.kb), "cur": lambda: call(self.kc)}, self.dev, self.reps)
         self.add("decode", f"{shape} k{kb}v{vb}g{g}", times, diff, batch=b, kv_heads=hkv, q_heads=hq, context=ctx,
@@ -370,7 +380,8 @@ class Bench:
         grp = torch.arange(n_tok // g, device=self.dev)
         pages = bt[:, grp * g // page].reshape(-1).contiguous()
         slots = ((grp * g) % page).repeat(b).to(torch.int32)
-        call = lambda ops, t: ops.quantize_and_write(k, v, pages, slots, *t, key_bits=4, value_bits=4, group_size=g)
+        call = lambda ops, t: ops.quantize_and_write(k, v, pages, slots, *pool_args(ops, t), key_bits=4, value_bits=4,
+                                                     group_size=g)
         copies = [[t.clone() for t in pool] for _ in range(2)]
         call(self.kb, copies[0])
         call(self.kc, copies[1])
@@ -385,8 +396,9 @@ class Bench:
         nk = torch.randn(b, h, d, device=self.dev, dtype=torch.float16, generator=gen)
         nv = torch.randn_like(nk)
         lens = [torch.full((b,), x, device=self.dev, dtype=torch.int32) for x in (s + r + g - 1, s, prompt)]
-        call = lambda ops, t, wk, wv: ops.append_and_flush(nk, nv, wk, wv, *lens, bt, *t, key_bits=4, value_bits=4,
-                                                            group_size=g, residual_length=r, sink_length=s)
+        call = lambda ops, t, wk, wv: ops.append_and_flush(nk, nv, wk, wv, *lens, bt, *pool_args(ops, t), key_bits=4,
+                                                            value_bits=4, group_size=g, residual_length=r,
+                                                            sink_length=s)
         outs = []
         for ops in (self.kb, self.kc):
             t, wk, wv = [x.clone() for x in pool], rk.clone(), rv.clone()

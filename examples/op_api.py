@@ -68,7 +68,7 @@ def main(argv=None):
             slots.append(t % p)
     ops.quantize_and_write(torch.stack(groups_k), torch.stack(groups_v),
                            torch.tensor(pages, dtype=torch.int32, device=dev),
-                           torch.tensor(slots, dtype=torch.int32, device=dev), *pool,
+                           torch.tensor(slots, dtype=torch.int32, device=dev), pool,
                            key_bits=kb, value_bits=vb, group_size=g)
     # the unquantized tail of each sequence: a full-precision window [B, Hkv, C, D]
     c = max(1, max(n - q for n, q in zip(lengths, quant, strict=True)))
@@ -83,11 +83,11 @@ def main(argv=None):
     q_tok = torch.randn(bsz, hq, d, device=dev, dtype=dtype)
     scale = 1 / math.sqrt(d)
     quant_lengths = torch.tensor(quant, dtype=torch.int32, device=dev)
-    out = ops.paged_decode_attention(q_tok, block_table, quant_lengths, *pool, res_k=res_k, res_v=res_v,
+    out = ops.paged_decode_attention(q_tok, block_table, quant_lengths, pool, res_k=res_k, res_v=res_v,
                                      res_lengths=res_lengths, key_bits=kb, value_bits=vb, group_size=g, sm_scale=scale)
 
     # 5. a serving loop plans once and runs every step (same pages; new queries and window lengths each step)
-    run = ops.DecodeRunner(block_table, quant_lengths, *pool, res_k=res_k, res_v=res_v, key_bits=kb, value_bits=vb,
+    run = ops.DecodeRunner(block_table, quant_lengths, pool, res_k=res_k, res_v=res_v, key_bits=kb, value_bits=vb,
                            group_size=g)
     same = all(torch.equal(run(q_tok, res_lengths, scale), out) for _ in range(3))
 

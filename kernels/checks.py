@@ -38,6 +38,7 @@ import math
 import numbers
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -85,10 +86,38 @@ def kernel_limits(op: str, head_dim: int, key_bits: int, value_bits: int, group_
     return None
 
 
-def pool_config(pool) -> tuple[int, int]:
-    """``(head_dim, page_size)`` of a pool ``(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)``: the key scales'
-    last dim and the key codes' third (``[NP, H, P, D * kb / 8]``); shapes checked by the ops."""
-    return pool[1].shape[-1], pool[0].shape[2]
+class PoolTensors(NamedTuple):
+    """A page pool's six tensors, the one object the ops take (``kivi_cache.ops``; ``PagePool.args()`` builds it). The
+    kernels and the torch reference take them as six arguments in this order (``*pool``). Shapes: ``NP`` pages, ``H``
+    KV heads, ``P`` tokens per page, ``D`` head_dim, ``G`` group, ``kb``/``vb`` bits."""
+
+    k_codes: torch.Tensor  # [NP, H, P, D * kb / 8] uint8: planar-packed key codes, one row per token
+    k_scale: torch.Tensor  # [NP, H, P / G, D]: per channel, per key group
+    k_zero: torch.Tensor  # as k_scale
+    v_codes: torch.Tensor  # [NP, H, D, P * vb / 8] uint8: value codes, one row per channel packed along tokens
+    v_scale: torch.Tensor  # [NP, H, D / G, P]: per token, per channel group
+    v_zero: torch.Tensor  # as v_scale
+
+
+def pool_tensors(pool) -> PoolTensors:
+    """``pool`` (a :class:`PoolTensors` or any sequence of the six tensors) as a :class:`PoolTensors`, else
+    ValueError naming it."""
+    if isinstance(pool, PoolTensors):
+        return pool
+    if isinstance(pool, torch.Tensor) or not isinstance(pool, (tuple, list)) or len(pool) != len(POOL_NAMES):
+        size = "" if isinstance(pool, torch.Tensor) or not hasattr(pool, "__len__") else f" of {len(pool)}"
+        raise ValueError(f"pool must be the page pool's six tensors {POOL_NAMES} (a PoolTensors or a tuple), got "
+                         f"{type(pool).__name__}{size}")
+    return PoolTensors(*pool)
+
+
+def pool_config(pool) -> tuple[int, int] | None:
+    """``(head_dim, page_size)`` of a pool (:class:`PoolTensors`): the key scales' last dim and the key codes' third
+    (``[NP, H, P, D * kb / 8]``); None where those tensors are not 4-d (the ops' checks then name the problem)."""
+    kc, ks = pool[0], pool[1]
+    if not (isinstance(kc, torch.Tensor) and isinstance(ks, torch.Tensor) and kc.dim() == 4 and ks.dim() == 4):
+        return None
+    return ks.shape[-1], kc.shape[2]
 
 
 def shape_of(name: str, t, dims: int) -> tuple:

@@ -221,7 +221,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                 run = pool.decode_runner  # plan once, run every step until the block table or window is replaced
                 if (run is None or run.block_table is not bt or run.lengths is not ql or run.res_k is not self.res_k
                         or run.sliding_window != window):
-                    run = pool.decode_runner = ops.DecodeRunner(bt, ql, *pool.args(), res_k=self.res_k,
+                    run = pool.decode_runner = ops.DecodeRunner(bt, ql, pool.args(), res_k=self.res_k,
                                                                 res_v=self.res_v,
                                                                 sliding_window=window, own=True, **bits)
                 if deferred:  # the op writes the step's token into the window (counted already by commit)
@@ -242,7 +242,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         new_mask = chunk_visibility(attention_mask, n, self.batch_size, query.device, window)
         with checks.own_state():
             out = ops.paged_prefix_attention(
-                query, bt, ql, *self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
+                query, bt, ql, self.pool.args(), res_k=self.res_k, res_v=self.res_v, res_lengths=rl,
                 new_k=step.key, new_v=step.value, sm_scale=scaling, sliding_window=window, sink_logits=sink_logits,
                 **bits, new_mask=new_mask)
         self.commit(step, valid)
@@ -324,11 +324,11 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                 if tail is not None:
                     out[:, :, length:] = tail[i]
             with checks.own_state():
-                ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=q,
+                ops.dequantize_pages(bt, ql, self.pool.args(), **bits, max_len=q,
                                      out=(k[:, :, s:s + q], v[:, :, s:s + q]))
             return k, v
         with checks.own_state():
-            qk, qv = ops.dequantize_pages(bt, ql, *self.pool.args(), **bits, max_len=max(self.q_lens))
+            qk, qv = ops.dequantize_pages(bt, ql, self.pool.args(), **bits, max_len=max(self.q_lens))
         k = torch.zeros(b, h, length, d, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         for i in range(b):
@@ -481,7 +481,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
             start = max(0, keep_q) // g * g  # a partial group goes back to the residual window
             if keep_q > start:
                 bt, ql, _ = self._device_state()
-                dk, dv = ops.dequantize_pages(bt[i:i + 1], ql[i:i + 1], *self.pool.args(), key_bits=cfg.key_bits,
+                dk, dv = ops.dequantize_pages(bt[i:i + 1], ql[i:i + 1], self.pool.args(), key_bits=cfg.key_bits,
                                               value_bits=cfg.value_bits, group_size=g, max_len=keep_q)
                 self.res_k[i, :, s:s + keep_q - start] = dk[0, :, start:keep_q]
                 self.res_v[i, :, s:s + keep_q - start] = dv[0, :, start:keep_q]

@@ -70,7 +70,10 @@ def _warn_once(reason: str) -> None:
 def _limit(op: str, pool, key_bits: int, value_bits: int, group_size: int) -> str | None:
     """:func:`~kivi_cache.kernels.checks.kernel_limits` for this call's configuration (remembered per configuration:
     a decode step asks once per layer)."""
-    d, p = checks.pool_config(pool)
+    config = checks.pool_config(pool)
+    if config is None:
+        return None  # not a pool's shapes: the chosen kernels' checks say what is wrong
+    d, p = config
     key = (op, d, p, key_bits, value_bits, group_size)
     if key not in _limits:
         _limits[key] = checks.kernel_limits(op, d, key_bits, value_bits, group_size, p, _kernels.interpreting())
@@ -119,35 +122,43 @@ def _call(name: str, device, pool, bits: tuple, *args, **kwargs):
     return getattr(mod, name)(*args, **kwargs)
 
 
-def quantize_and_write(k, v, pages, slots, *pool, key_bits, value_bits, group_size):
+def quantize_and_write(k, v, pages, slots, pool, *, key_bits, value_bits, group_size):
+    """Quantize N groups ``k``/``v`` ``[N, H, G, D]`` into ``pool`` (:class:`~kivi_cache.kernels.checks.PoolTensors`)
+    at pages ``pages[n]``, token slots ``slots[n]`` (:func:`kivi_cache.reference.quantize_and_write`)."""
+    pool = checks.pool_tensors(pool)
     _call("quantize_and_write", k.device, pool, (key_bits, value_bits, group_size), k, v, pages, slots, *pool,
           key_bits, value_bits, group_size)
 
 
-def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, *pool, key_bits,
+def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool, *, key_bits,
                      value_bits, group_size, residual_length, sink_length):
     """A decode step's window write and flush of full windows (:func:`kivi_cache.reference.append_and_flush`)."""
+    pool = checks.pool_tensors(pool)
     _call("append_and_flush", res_k.device, pool, (key_bits, value_bits, group_size), new_k, new_v, res_k, res_v,
           res_lengths, sink_lengths, lengths, block_table, *pool, key_bits, value_bits, group_size, residual_length,
           sink_length)
 
 
-def dequantize_pages(block_table, lengths, *pool, key_bits, value_bits, group_size, max_len=None, out=None):
-    """``out=(k, v)``: ``[B, H, max_len, D]`` tensors (views allowed) written in place and returned."""
+def dequantize_pages(block_table, lengths, pool, *, key_bits, value_bits, group_size, max_len=None, out=None):
+    """The stored history ``[B, H, max_len, D]`` keys and values of each sequence's pages (positions past its length
+    zero). ``out=(k, v)``: tensors (views allowed) written in place and returned."""
+    pool = checks.pool_tensors(pool)
     extra = {} if out is None else dict(out=out)
     return _call("dequantize_pages", block_table.device, pool, (key_bits, value_bits, group_size), block_table,
                  lengths, *pool, key_bits, value_bits, group_size, max_len=max_len, **extra)
 
 
-def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, key_bits, value_bits,
+def paged_decode_attention(q, block_table, lengths, pool, *, res_k, res_v, res_lengths, key_bits, value_bits,
                            group_size, sm_scale, new_k=None, new_v=None, merge=True, sliding_window=None,
                            sink_logits=None):
-    """``new_k``/``new_v``: the step's token, written into the window (at ``res_lengths - 1``) by the op itself.
+    """One query token per sequence (``q`` ``[B, Hq, D]``) over its pages in ``pool`` and its window ``res_k/res_v``.
+    ``new_k``/``new_v``: the step's token, written into the window (at ``res_lengths - 1``) by the op itself.
     ``merge=False``: the kernels never merge partials in the split kernel (which keeps arrival counts allocated
     by its first call): for a compiled step whose CUDA graphs own every allocation it makes. ``sliding_window``:
     attention over the last ``sliding_window`` stored tokens only; ``sink_logits`` (``[Hq]``): learned attention
     sinks, one more softmax logit per query head on no value (GPT-OSS; see
     :func:`kivi_cache.reference.paged_decode_attention`)."""
+    pool = checks.pool_tensors(pool)
     extra = {} if new_k is None and new_v is None else dict(new_k=new_k, new_v=new_v)
     if sliding_window is not None:
         extra["sliding_window"] = sliding_window
@@ -158,8 +169,11 @@ def paged_decode_attention(q, block_table, lengths, *pool, res_k, res_v, res_len
                  **extra)
 
 
-def paged_prefix_attention(q, block_table, lengths, *pool, res_k, res_v, res_lengths, new_k, new_v, new_mask,
+def paged_prefix_attention(q, block_table, lengths, pool, *, res_k, res_v, res_lengths, new_k, new_v, new_mask,
                            key_bits, value_bits, group_size, sm_scale, sliding_window=None, sink_logits=None):
+    """A chunk of queries (``q`` ``[B, Hq, L, D]``) over each sequence's stored history (pages and window) and the
+    chunk's own keys and values ``new_k/new_v`` (:func:`kivi_cache.reference.paged_prefix_attention`)."""
+    pool = checks.pool_tensors(pool)
     extra = {} if sliding_window is None else dict(sliding_window=sliding_window)
     if sink_logits is not None:
         extra["sink_logits"] = sink_logits
@@ -179,8 +193,9 @@ class DecodeRunner:
     path does not check their values again (:class:`kivi_cache.kernels.checks.own_state`). Build a new one when the
     state's tensors are replaced."""
 
-    def __init__(self, block_table, lengths, *pool, res_k, res_v, key_bits, value_bits, group_size,
+    def __init__(self, block_table, lengths, pool, *, res_k, res_v, key_bits, value_bits, group_size,
                  sliding_window: int | None = None, own: bool = False):
+        pool = checks.pool_tensors(pool)
         self.block_table, self.lengths, self.pool, self.res_k, self.res_v = block_table, lengths, pool, res_k, res_v
         self.own = own
         self.sliding_window = sliding_window

@@ -14,6 +14,7 @@ import copy
 import torch
 
 from .config import QuantConfig
+from .kernels.checks import PoolTensors
 
 
 class PagePool:
@@ -144,6 +145,7 @@ class PagePool:
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def args(self):
+    def args(self) -> PoolTensors:
+        """The six tensors as the ops take them."""
         t = self.tensors
-        return (t["k_codes"], t["k_scale"], t["k_zero"], t["v_codes"], t["v_scale"], t["v_zero"])
+        return PoolTensors(t["k_codes"], t["k_scale"], t["k_zero"], t["v_codes"], t["v_scale"], t["v_zero"])

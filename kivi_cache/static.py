@@ -44,6 +44,7 @@ import torch
 from . import hook, ops
 from .cache import INT4_PRESET, QuantizedPagedCache
 from .config import _check_int
+from .kernels.checks import PoolTensors
 from .layer import QuantizedPagedLayer
 from .masks import query_len
 from .window import window_append
@@ -57,9 +58,10 @@ def _decode_op(q: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor
                v_zero: torch.Tensor, res_k: torch.Tensor, res_v: torch.Tensor, res_lengths: torch.Tensor,
                key_bits: int, value_bits: int, group_size: int, sm_scale: float,
                sliding_window: int = 0, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
-    return ops.paged_decode_attention(q, block_table, lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                      res_k=res_k, res_v=res_v, res_lengths=res_lengths, key_bits=key_bits,
-                                      value_bits=value_bits, group_size=group_size, sm_scale=sm_scale, merge=False,
+    pool = PoolTensors(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)  # flattened for torch.library
+    return ops.paged_decode_attention(q, block_table, lengths, pool, res_k=res_k, res_v=res_v,
+                                      res_lengths=res_lengths, key_bits=key_bits, value_bits=value_bits,
+                                      group_size=group_size, sm_scale=sm_scale, merge=False,
                                       sliding_window=sliding_window or None, sink_logits=sink_logits)
 
 
@@ -76,8 +78,9 @@ def _append_op(new_k: torch.Tensor, new_v: torch.Tensor, res_k: torch.Tensor, re
                k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
                v_scale: torch.Tensor, v_zero: torch.Tensor, key_bits: int, value_bits: int, group_size: int,
                residual_length: int, sink_length: int) -> None:
-    ops.append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes,
-                         k_scale, k_zero, v_codes, v_scale, v_zero, key_bits=key_bits, value_bits=value_bits,
+    pool = PoolTensors(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)  # flattened for torch.library
+    ops.append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool,
+                         key_bits=key_bits, value_bits=value_bits,
                          group_size=group_size, residual_length=residual_length, sink_length=sink_length)
 
 

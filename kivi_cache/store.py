@@ -280,7 +280,7 @@ class Store:
             slots = [slots] * len(pages) if isinstance(slots, int) else slots
             slots_dev = self._upload(np.array(slots, dtype=np.int32))
         with checks.own_state():  # strided views of the window are fine (the kernels take strides): no copies
-            ops.quantize_and_write(k_groups, v_groups, pages_dev, slots_dev, *self.pool.args(), key_bits=cfg.key_bits,
+            ops.quantize_and_write(k_groups, v_groups, pages_dev, slots_dev, self.pool.args(), key_bits=cfg.key_bits,
                                    value_bits=cfg.value_bits, group_size=cfg.group_size)
         return pages_dev
 

@@ -200,7 +200,7 @@ def test_runner_checks_once_and_then_runs_fast():
     args = case([300, 200], [6, 6], c=10)
     q, bt, ln, *pool = args[:9]
     rk, rv, rl = args[9:12]
-    run = ops.DecodeRunner(bt, ln, *pool, res_k=rk, res_v=rv, key_bits=4, value_bits=4, group_size=32)
+    run = ops.DecodeRunner(bt, ln, pool, res_k=rk, res_v=rv, key_bits=4, value_bits=4, group_size=32)
     assert isinstance(run.kernel, F.DecodeRunner)
     for _ in range(3):
         out = run(q, rl, args[-1])

@@ -1090,7 +1090,7 @@ def test_decode_sink_logits_half_precision_runner_and_new_token(monkeypatch):
     q, bt, ql, pool, rk, rv, rl = args[0], args[1], args[2], args[3:9], args[9], args[10], args[11]
     new_k = torch.randn(bsz, 2, 1, d, device=DEV).half()
     new_v = torch.randn(bsz, 2, 1, d, device=DEV).half()
-    run = ops.DecodeRunner(bt, ql, *pool, res_k=rk, res_v=rv, key_bits=4, value_bits=4, group_size=32)
+    run = ops.DecodeRunner(bt, ql, pool, res_k=rk, res_v=rv, key_bits=4, value_bits=4, group_size=32)
     for _ in range(2):
         out = run(q, rl, args[15], new_k, new_v, sink_logits=sinks)
         want_k, want_v = window_with_token(args[9], args[10], rl, new_k[:, :, 0], new_v[:, :, 0])

@@ -180,7 +180,7 @@ def test_triton_backend_on_cpu_without_the_interpreter_says_why(monkeypatch):
     ops.set_backend("triton")
     try:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"],
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], a["pool"], res_k=a["res_k"],
                                        res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
                                        group_size=G, sm_scale=0.125)
     finally:
@@ -267,9 +267,9 @@ def test_ops_pass_a_lone_new_v_on():
     new = torch.randn(2, 1, D).to(DT)
     kw = dict(res_k=a["res_k"], res_v=a["res_v"], key_bits=4, value_bits=4, group_size=G)
     with pytest.raises(ValueError, match="new_k and new_v must be given together"):
-        ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_lengths=a["res_lengths"],
+        ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], a["pool"], res_lengths=a["res_lengths"],
                                    sm_scale=0.125, new_v=new, **kw)
-    run = ops.DecodeRunner(a["block_table"], a["lengths"], *a["pool"], **kw)
+    run = ops.DecodeRunner(a["block_table"], a["lengths"], a["pool"], **kw)
     with pytest.raises(ValueError, match="new_k and new_v must be given together"):
         run(a["q"], a["res_lengths"], 0.125, new_v=new)
 
@@ -415,13 +415,13 @@ def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match="res_lengths must be in"):
-            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"],
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], a["pool"], res_k=a["res_k"],
                                        res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
                                        group_size=G, sm_scale=0.125)
         pl = zero_points_strided_apart(pool(4), 2)
         a = decode_args(pool=pl)
         with pytest.raises(ValueError, match="must have .*'s strides"):
-            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], *pl, res_k=a["res_k"],
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], pl, res_k=a["res_k"],
                                        res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
                                        group_size=G, sm_scale=0.125)
     assert not ops._warned
@@ -479,7 +479,7 @@ def test_append_and_flush_refuses_a_flush_past_the_block_table(backend):
 
     def flush(lengths):
         ops.append_and_flush(a["new_k"], a["new_v"], a["res_k"], a["res_v"], a["res_lengths"], a["sink_lengths"],
-                             lengths, a["block_table"], *a["pool"], key_bits=4, value_bits=4, group_size=G,
+                             lengths, a["block_table"], a["pool"], key_bits=4, value_bits=4, group_size=G,
                              residual_length=8, sink_length=2)
 
     ops.set_backend(backend)
@@ -535,7 +535,7 @@ def test_ops_decode_runner_refuses_an_sm_scale_not_finite_and_positive(backend):
     a = decode_args()
     ops.set_backend(backend)
     try:
-        run = ops.DecodeRunner(a["block_table"], a["lengths"], *a["pool"], res_k=a["res_k"], res_v=a["res_v"],
+        run = ops.DecodeRunner(a["block_table"], a["lengths"], a["pool"], res_k=a["res_k"], res_v=a["res_v"],
                                key_bits=4, value_bits=4, group_size=G)
         run(a["q"], a["res_lengths"], 0.125)
         for scale in BAD_SCALES.values():
@@ -601,3 +601,23 @@ def test_kernel_runner_checks_every_run_with_the_debug_switch():
     with pytest.raises(ValueError, match="lengths must be in \\[0, block_table width 2"):
         run.run(a["q"], a["res_lengths"], 0.125)
     assert run.fast_runs == 0
+
+
+def test_ops_take_the_pool_as_one_object():
+    """``kivi_cache.ops`` takes the pool's six tensors as one argument (a PoolTensors or a tuple); anything else is a
+    ValueError naming ``pool``, before anything runs."""
+    from kivi_cache import ops
+    from kivi_cache.kernels.checks import PoolTensors
+
+    a = decode_args()
+    kw = dict(res_k=a["res_k"], res_v=a["res_v"], res_lengths=a["res_lengths"], key_bits=4, value_bits=4,
+              group_size=G, sm_scale=0.125)
+    named = ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], PoolTensors(*a["pool"]), **kw)
+    assert torch.equal(named, ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], tuple(a["pool"]),
+                                                         **kw))
+    for bad in (tuple(a["pool"])[:5], a["pool"][0], None):
+        with pytest.raises(ValueError, match="pool must be the page pool's six tensors"):
+            ops.paged_decode_attention(a["q"], a["block_table"], a["lengths"], bad, **kw)
+        with pytest.raises(ValueError, match="pool must be the page pool's six tensors"):
+            ops.DecodeRunner(a["block_table"], a["lengths"], bad, res_k=a["res_k"], res_v=a["res_v"], key_bits=4,
+                             value_bits=4, group_size=G)
