@@ -48,6 +48,7 @@ import triton  # noqa: E402
 from kivi_cache import reference as REF  # noqa: E402
 from kivi_cache.kernels import api as KK  # noqa: E402
 from kivi_cache.kernels import tuning as KT  # noqa: E402
+from kivi_cache.testing import decode_args, random_pool  # noqa: E402
 
 GB = 1e9
 
@@ -134,21 +135,7 @@ def copy_bandwidth(device, quick):
 
 # ----------------------------------------------------------------------------- problem builders
 
-def make_pool(b, hkv, t_quant, d, p, g, kb, vb, device, gen, dtype=torch.float16):
-    """Random packed pool holding b sequences of t_quant tokens (scattered pages); scales and zeros in ``dtype`` (the
-    queries' dtype: fp16 or bf16)."""
-    pages_per_seq = -(-t_quant // p)
-    np_ = max(1, b * pages_per_seq)
-    kc = torch.randint(0, 256, (np_, hkv, p, d * kb // 8), dtype=torch.uint8, device=device, generator=gen)
-    vc = torch.randint(0, 256, (np_, hkv, d, p * vb // 8), dtype=torch.uint8, device=device, generator=gen)
-    ks = (torch.rand(np_, hkv, p // g, d, device=device, generator=gen, dtype=dtype) * (2.0 / (1 << kb)))
-    kz = torch.randn(np_, hkv, p // g, d, device=device, generator=gen, dtype=dtype) - 1.0
-    vs = (torch.rand(np_, hkv, d // g, p, device=device, generator=gen, dtype=dtype) * (2.0 / (1 << vb)))
-    vz = torch.randn(np_, hkv, d // g, p, device=device, generator=gen, dtype=dtype) - 1.0
-    perm = torch.randperm(np_, device=device, generator=gen).to(torch.int32)
-    bt = perm[: b * pages_per_seq].reshape(b, pages_per_seq) if pages_per_seq else perm[:0].reshape(b, 0)
-    lengths = torch.full((b,), t_quant, dtype=torch.int32, device=device)
-    return dict(k_codes=kc, k_scale=ks, k_zero=kz, v_codes=vc, v_scale=vs, v_zero=vz, block_table=bt, lengths=lengths)
+make_pool = random_pool  # the benchmark's pools: kivi_cache.testing's
 
 
 def pool_bytes(pool, b, hkv, t_quant, d, p, g, kb, vb, res, hq):
@@ -158,11 +145,6 @@ def pool_bytes(pool, b, hkv, t_quant, d, p, g, kb, vb, res, hq):
     qb = b * hq * d * 2 * 2  # q read + out written
     bt = pool["block_table"].numel() * 4
     return codes + scales + resid + qb + bt
-
-
-def decode_args(pool, q, rk, rv, rl, kb, vb, g, sm):
-    return (q, pool["block_table"], pool["lengths"], pool["k_codes"], pool["k_scale"], pool["k_zero"],
-            pool["v_codes"], pool["v_scale"], pool["v_zero"], rk, rv, rl, kb, vb, g, sm)
 
 
 def verify(pool, q, rk, rv, rl, kb, vb, g, sm, slice_tokens):

@@ -18,16 +18,6 @@ def _auto_backend():
     kivi_cache.set_backend("auto")
 
 
-def _bench_kernels():
-    """eval/bench_kernels.py (its pool and argument builders) as a module."""
-    import importlib
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
-    return importlib.import_module("bench_kernels")
-
-
 def _gen(model, ids, cache, n=32):
     with torch.no_grad():
         return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -288,10 +278,9 @@ def test_decode_never_follows_block_table_entries_past_a_sequences_pages(bits):
     1, odd, long), every entry past each sequence's pages poisoned with a page id far outside the pool, default
     and forced split counts; the output matches the reference computed on the same table with the poison
     replaced by a valid id (the reference gathers every entry)."""
-    make_pool = _bench_kernels().make_pool
-
     from kivi_cache import reference as REF
     from kivi_cache.kernels import api as KK
+    from kivi_cache.testing import random_pool as make_pool
 
     kb, vb, g = bits
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -322,10 +311,9 @@ def test_cached_launches_give_the_full_launch_paths_outputs(monkeypatch):
     """The decode op's plan cache and its direct launches of the compiled kernels (kernels._util.Launcher) give
     bit for bit what Triton's own launch path (``fast_launch=False``) gives, over calls that change the data, the
     lengths, the block table's width (a new plan), the dtype and a tuning setting; and the direct path is taken."""
-    make_pool = _bench_kernels().make_pool
-
     from kivi_cache.kernels import decode as D
     from kivi_cache.kernels.tuning import DecodeTuning
+    from kivi_cache.testing import random_pool as make_pool
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     p, d, hkv, hq, b = 64, 128, 8, 32, 3
@@ -384,9 +372,9 @@ def test_window_write_by_the_decode_kernel_gives_the_copies_logits(monkeypatch, 
 
 def _int4_decode_args(bk, b, hkv, ctx, gen, min_window):
     """The decode op's arguments over a random int4 pool (32 query heads, d 128, pages of 64, g32) and a 160-token
-    window holding ``min_window`` to 159 tokens per sequence (eval/bench_kernels.py's builders)."""
+    window holding ``min_window`` to 159 tokens per sequence (kivi_cache.testing's builders)."""
     dev = torch.device("cuda")
-    pool = bk.make_pool(b, hkv, ctx, 128, 64, 32, 4, 4, dev, gen)
+    pool = bk.random_pool(b, hkv, ctx, 128, 64, 32, 4, 4, dev, gen)
     q = torch.randn(b, 32, 128, device=dev, generator=gen, dtype=torch.float16)
     rk = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
     rv = torch.randn(b, hkv, 160, 128, device=dev, generator=gen, dtype=torch.float16)
@@ -399,10 +387,9 @@ def test_split_kernel_merge_matches_the_merge_kernel_on_the_gpu(monkeypatch):
     acq_rel atomics, partials read through L2): many calls in a row, every (sequence, KV head) with the given paged
     splits plus the window's programs (64-slot chunks at these small batches: 4..18 partials, unrolled merge, and
     41..131, ``merge_max`` 256: the merge's loop), against the two-kernel path."""
+    from kivi_cache import testing as bk
     from kivi_cache.kernels import decode as D
     from kivi_cache.kernels.tuning import DecodeTuning
-
-    bk = _bench_kernels()
     gen = torch.Generator(device="cuda").manual_seed(3)
     unfused, fused = DecodeTuning(merge_max=256, fuse_merge=False), DecodeTuning(merge_max=256, fuse_merge=True)
     for b, hkv, ctx, splits in ((1, 8, 1024, 3), (4, 8, 4096, 15), (8, 2, 2048, 1), (3, 4, 3008, 7),
@@ -428,7 +415,7 @@ def test_decode_runner_equals_the_op_call_for_call(monkeypatch, merge):
 
     default = T.Tuning(decode=T.DecodeTuning(fuse_merge=merge))
     monkeypatch.setattr(T, "DEFAULT", default)
-    bk = _bench_kernels()
+    from kivi_cache import testing as bk
     gen = torch.Generator(device="cuda").manual_seed(5)
     dev = torch.device("cuda")
     for b, hkv, ctx in ((1, 8, 1024), (3, 4, 3008)):
