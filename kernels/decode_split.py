@@ -283,27 +283,39 @@ def _fold_pair(s, z, E: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, ASM:
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, bt_ptr, len_ptr,
-    kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr,
-    rk_ptr, rv_ptr, rlen_ptr,
-    m_ws, l_ws, o_ws,
-    nk_ptr, nv_ptr, out_ptr, cnt_ptr, sink_ptr,
-    qk_scale, Hkv, NS, RCH, SWIN,
-    s_qb, s_qh, s_btb,
-    s_kcp, s_kch, s_ksp, s_ksh, s_ksg,
-    s_vcp, s_vch, s_vsp, s_vsh,
-    s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,
-    s_nkb, s_nkh, s_nvb, s_nvh, s_ob, s_oh,
-    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
+    q_ptr,  # [B, Hq, D] queries
+    bt_ptr,  # [B, W] int32 block table (page ids; entries past a sequence's pages are never read)
+    len_ptr,  # [B] int32 quantized tokens per sequence (in pages)
+    kw_ptr,  # [NP, Hkv, P, D * KBITS / 32] int32 words of key codes (k_codes viewed as int32)
+    ks_ptr, kz_ptr,  # [NP, Hkv, P / G, D] key scales and zero points
+    vw_ptr,  # [NP, Hkv, D, P * VBITS / 32] int32 words of value codes (channel rows packed along tokens)
+    vs_ptr, vz_ptr,  # [NP, Hkv, D / G, P] value scales and zero points
+    rk_ptr, rv_ptr,  # [B, Hkv, C, D] full-precision window (sinks first)
+    rlen_ptr,  # [B] int32 window tokens per sequence
+    m_ws, l_ws, o_ws,  # [B * Hq, NS + NR(, D)] fp32 partial max, sum and output of every program
+    nk_ptr, nv_ptr,  # [B, Hkv, D] the step's token, written into the window first (NEWKV)
+    out_ptr,  # [B, Hq, D] output (MERGE)
+    cnt_ptr,  # [B * Hkv] int32 arrival counts of the programs of each pair (MERGE)
+    sink_ptr,  # [Hq] learned sink logits (SINK)
+    qk_scale, Hkv, NS, RCH, SWIN,  # softmax scale * log2(e); KV heads; paged splits; window slots per program;
+    # sliding window (tokens)
+    s_qb, s_qh, s_btb,  # strides (in elements) of q's batch and head dims, the block table's rows
+    s_kcp, s_kch, s_ksp, s_ksh, s_ksg,  # key words: page, head; key scales: page, head, group
+    s_vcp, s_vch, s_vsp, s_vsh,  # value words: page, head; value scales: page, head
+    s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,  # window keys / values: batch, head, token
+    s_nkb, s_nkh, s_nvb, s_nvh, s_ob, s_oh,  # the step's key / value: batch, head; out: batch, head
+    GROUP: tl.constexpr,  # query heads per KV head
+    GP: tl.constexpr,  # query-head rows of the transposed MMAs: GROUP rounded up to a power of two
+    D: tl.constexpr, P: tl.constexpr, G: tl.constexpr,  # head_dim, tokens per page, group size
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     DOT_F32: tl.constexpr, KASM: tl.constexpr, VASM: tl.constexpr, BF16: tl.constexpr,
-    PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths: from _stages() (its env and defaults)
+    PSTAGES: tl.constexpr, RSTAGES: tl.constexpr,  # pipeline depths of the paged and window loops (_stages)
     NEWKV: tl.constexpr = 0,  # the window's newest token (rlen - 1) is first written from nk/nv (the op's new_k/v)
     MERGE: tl.constexpr = 0,  # the last program of a (sequence, KV head) merges the partials into out (no 2nd kernel)
     BM: tl.constexpr = 1,  # MERGE: next power of two of the programs per pair (NS + window chunks)
     BSM: tl.constexpr = 1,  # MERGE: partials per merge step
-    VHINT: tl.constexpr = 0,  # the value words' offset declared a multiple of a step's words (_vhint)
-    KSZ: tl.constexpr = 0,  # 2/4-bit keys: every plane's scale and zero words in one load (_ksz)
+    VHINT: tl.constexpr = 0,  # value alignment hint: the value words' offset declared a multiple of a step's words
+    KSZ: tl.constexpr = 0,  # key scale+zero: 2/4-bit keys' scale and zero words of every plane in one load (_ksz)
     SRCMIN: tl.constexpr = EXACT,  # codes read in place from this mantissa bit up (unpack.field; EXACT: top only)
     SLIDING: tl.constexpr = 0,  # sliding-window attention: only the last SWIN stored tokens are seen
     SINK: tl.constexpr = 0,  # MERGE: learned attention sinks, one logit per query head at sink_ptr (natural log)
