@@ -70,8 +70,11 @@ def _value_tile(vc_base, vs_base, vz_base, off, valid_tok, s_vcd, s_vsg,
 
 @triton.jit
 def _dequant_kernel(
-    bt_ptr, len_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ko_ptr, vo_ptr,
-    H, T, s_btb,
+    bt_ptr,  # [B, W] int block table
+    len_ptr,  # [B] int quantized tokens per sequence
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,  # the pool (kernels/quantize.py's layout)
+    ko_ptr, vo_ptr,  # [B, H, T, D] dequantized keys and values (zeros past each length)
+    H, T, s_btb,  # KV heads, output tokens, block table row stride
     s_kcp, s_kch, s_kct, s_ksp, s_ksh, s_ksg,
     s_vcp, s_vch, s_vct, s_vsp, s_vsh, s_vst,
     s_ob, s_oh, s_ot,

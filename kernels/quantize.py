@@ -95,15 +95,21 @@ def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr,
 
 @triton.jit
 def _quantize_write_kernel(
-    k_ptr, v_ptr, pages_ptr, slots_ptr,
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    s_kn, s_kh, s_kt, s_vn, s_vh, s_vt,
-    s_kcp, s_kch, s_kct,
-    s_ksp, s_ksh, s_ksg,
-    s_vcp, s_vch, s_vct,
-    s_vsp, s_vsh, s_vst,
-    G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr, RECIP: tl.constexpr, SPLIT: tl.constexpr,
+    k_ptr, v_ptr,  # [N, H, G, D] the groups' keys and values
+    pages_ptr, slots_ptr,  # [N] int page id and first token slot (a multiple of G) of each group
+    kc_ptr,  # [NP, H, P, D * KBITS / 8] uint8 key codes
+    ks_ptr, kz_ptr,  # [NP, H, P / G, D] key scales and zero points
+    vc_ptr,  # [NP, H, D, P * VBITS / 8] uint8 value codes (channel rows packed along tokens)
+    vs_ptr, vz_ptr,  # [NP, H, D / G, P] value scales and zero points
+    s_kn, s_kh, s_kt, s_vn, s_vh, s_vt,  # strides (elements) of k and v: group, head, token
+    s_kcp, s_kch, s_kct,  # key codes: page, head, token row
+    s_ksp, s_ksh, s_ksg,  # key scales (and zeros): page, head, group
+    s_vcp, s_vch, s_vct,  # value codes: page, head, channel row
+    s_vsp, s_vsh, s_vst,  # value scales (and zeros): page, head, channel group
+    G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,  # group, head_dim, code widths
+    BUMP_K: tl.constexpr, BUMP_V: tl.constexpr,  # scales stored in a 16-bit dtype: round them up in it
+    RECIP: tl.constexpr,  # divide by qmax as a multiply by its fp32 reciprocal (as torch on CUDA)
+    SPLIT: tl.constexpr,  # keys and values in separate programs (grid axis 2)
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -195,10 +201,17 @@ _QUANT = Launcher(_quantize_write_kernel)
 
 @triton.jit
 def _append_flush_kernel(
-    nk_ptr, nv_ptr, rk_ptr, rv_ptr, rlen_ptr, sink_ptr, qlen_ptr, bt_ptr,
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    s_nkb, s_nkh, s_nvb, s_nvh, s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt, s_btb, bt_width,
-    R, S, P,
+    nk_ptr, nv_ptr,  # [B, H, D] the step's key and value
+    rk_ptr, rv_ptr,  # [B, H, C, D] full-precision windows (sinks first)
+    rlen_ptr,  # [B] int window tokens before the step
+    sink_ptr,  # [B] int sink tokens held
+    qlen_ptr,  # [B] int quantized tokens (in pages)
+    bt_ptr,  # [B, bt_width] int block table
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,  # the pool, as _quantize_write_kernel's
+    s_nkb, s_nkh, s_nvb, s_nvh,  # strides of the step's key / value: batch, head
+    s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,  # windows: batch, head, token
+    s_btb, bt_width,  # block table: row stride, columns
+    R, S, P,  # residual length, sink length, tokens per page
     s_kcp, s_kch, s_kct,
     s_ksp, s_ksh, s_ksg,
     s_vcp, s_vch, s_vct,
