@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call after a kernel change (run tool, from the repository root; run with timeout_s 600): the GPU
-# tests in two pieces with their own timeouts, T_KERNELS (240 s: tests/test_kernels.py took more than 180 s on the
+# tests in two pieces with their own timeouts, T_KERNELS (240 s: the kernel tests took more than 180 s on the
 # H200 in session 18) and T_REST (330 s: tests/test_gpu.py alone took 249-313 s with its compiles, sessions 17-18);
 # 570 s in all. The quantize probe (QUANT=1, ~50 s) and an A/B of decode settings (AB=1, T_AB 150 s) are off by
 # default: with either, lower the test timeouts or split the call. REST_EXTRA adds test files to the second piece
@@ -15,8 +15,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KIVI_TEST_GPU=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-timeout "${T_KERNELS:-240}" python -m pytest -q tests/test_kernels.py > "$OUT/gpu_tests_kernels.log" 2>&1
-echo "test_kernels rc=$? $(tail -1 "$OUT/gpu_tests_kernels.log")"
+timeout "${T_KERNELS:-240}" python -m pytest -q tests/test_api.py tests/test_quantize.py tests/test_dequant.py \
+    tests/test_decode.py tests/test_decode_plan.py tests/test_decode_merge.py tests/test_decode_split.py \
+    tests/test_prefix.py tests/test_sinks.py > "$OUT/gpu_tests_kernels.log" 2>&1
+echo "kernel tests rc=$? $(tail -1 "$OUT/gpu_tests_kernels.log")"
 timeout "${T_REST:-330}" python -m pytest -q tests/test_gpu.py ${REST_EXTRA:-} > "$OUT/gpu_tests_rest.log" 2>&1
 echo "test_gpu ${REST_EXTRA:-} rc=$? $(tail -1 "$OUT/gpu_tests_rest.log")"
 if [ "${QUANT:-0}" != 0 ]; then

@@ -59,7 +59,7 @@ elif [ "$1" = s32 ]; then
         --out "$OUT/ab_ksz_bf16_d128_t39.json" > "$OUT/ab_ksz_bf16_d128_t39.log" 2>&1; echo "bf16 d128 t39 ab rc $?"
     grep -E " d128 " "$OUT/ab_ksz_bf16_d128_t39.log"
 else
-    KIVI_TEST_GPU=1 timeout 420 python3 -m pytest -q tests/test_kernels.py -k decode \
+    KIVI_TEST_GPU=1 timeout 420 python3 -m pytest -q tests/test_api.py tests/test_quantize.py tests/test_dequant.py tests/test_decode*.py tests/test_prefix.py tests/test_sinks.py -k decode \
         > "$OUT/gpu_tests_decode.log" 2>&1; echo "decode kernel tests rc $?"
     tail -3 "$OUT/gpu_tests_decode.log"
 fi

@@ -9,7 +9,7 @@
 ab="eval/ab_decode.py --graph --rounds 2 --shapes 32x8x32768,1x8x131072 --bits 4/4/32,2/2/32"
 carried_triton || exit 1
 timeout 110 python3 $ab --out "$OUT/ab_triton39.json" > "$OUT/ab_triton39.log" 2>&1; echo "ab 3.9 rc $?"
-KIVI_TEST_GPU=1 timeout 300 python3 -m pytest -q tests/test_kernels.py tests/test_unpack_ptx.py \
+KIVI_TEST_GPU=1 timeout 300 python3 -m pytest -q tests/test_api.py tests/test_quantize.py tests/test_dequant.py tests/test_decode*.py tests/test_prefix.py tests/test_sinks.py tests/test_unpack_ptx.py \
     > "$OUT/gpu_tests_triton39_kernels.log" 2>&1; echo "kernel tests rc $?"
 tail -3 "$OUT/gpu_tests_triton39_kernels.log"
 # the model-level GPU tests that do not go through torch.compile (torch 2.11's inductor is built against Triton 3.6)

@@ -10,7 +10,7 @@ if [ -z "${NO_MODEL:-}" ]; then  # NO_MODEL=1: kernel tests only (session 30)
         > "$OUT/gpu_tests_triton39_gpu.log" 2>&1; echo "gpu tests rc $?"
     tail -3 "$OUT/gpu_tests_triton39_gpu.log"
 fi
-KIVI_TEST_GPU=1 python3 -m pytest --collect-only -q tests/test_kernels.py tests/test_unpack_ptx.py 2>/dev/null \
+KIVI_TEST_GPU=1 python3 -m pytest --collect-only -q tests/test_api.py tests/test_quantize.py tests/test_dequant.py tests/test_decode*.py tests/test_prefix.py tests/test_sinks.py tests/test_unpack_ptx.py 2>/dev/null \
     | grep "::" | tail -n +$((${1:-0} + 1)) > /tmp/rest_ids.txt
 KIVI_TEST_GPU=1 timeout ${KTIME:-210} python3 -m pytest -q $(cat /tmp/rest_ids.txt) \
     > "$OUT/gpu_tests_triton39_kernels_rest.log" 2>&1; echo "kernel tests (rest) rc $?"

@@ -12,6 +12,6 @@ grep -E " d64 |cur:|nohint:" "$OUT/ab_vhint_d64.log" | tail -12
 KIVI_TEST_GPU=1 timeout 130 python3 -m pytest -q tests/test_op_checks.py \
     > "$OUT/gpu_tests_op_checks.log" 2>&1; echo "op-check tests rc $?"
 tail -3 "$OUT/gpu_tests_op_checks.log"
-KIVI_TEST_GPU=1 timeout 320 python3 -m pytest -q tests/test_kernels.py -k decode \
+KIVI_TEST_GPU=1 timeout 320 python3 -m pytest -q tests/test_api.py tests/test_quantize.py tests/test_dequant.py tests/test_decode*.py tests/test_prefix.py tests/test_sinks.py -k decode \
     > "$OUT/gpu_tests_decode.log" 2>&1; echo "decode kernel tests rc $?"
 tail -3 "$OUT/gpu_tests_decode.log"

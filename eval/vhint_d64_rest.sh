@@ -6,7 +6,7 @@
 KIVI_TEST_GPU=1 timeout 100 python3 -m pytest -q tests/test_op_checks.py \
     > "$OUT/gpu_tests_op_checks.log" 2>&1; echo "op-check tests rc $?"
 tail -3 "$OUT/gpu_tests_op_checks.log"
-KIVI_TEST_GPU=1 python3 -m pytest --collect-only -q tests/test_kernels.py -k decode 2>/dev/null | grep "::" \
+KIVI_TEST_GPU=1 python3 -m pytest --collect-only -q tests/test_api.py tests/test_quantize.py tests/test_dequant.py tests/test_decode*.py tests/test_prefix.py tests/test_sinks.py -k decode 2>/dev/null | grep "::" \
     | tail -n +${1:-62} > /tmp/decode_rest.txt
 wc -l < /tmp/decode_rest.txt
 KIVI_TEST_GPU=1 timeout 110 python3 -m pytest -q $(cat /tmp/decode_rest.txt) \

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels import DEV, ON_GPU, make_block_table, make_pool
+from kernel_cases import DEV, ON_GPU, make_block_table, make_pool
 
 from kivi_cache import chunked as F
 from kivi_cache import ops

@@ -115,7 +115,7 @@ def test_encoder_decoder_caches(name):
     assert all(q > 0 for layer in cache.self_attention_cache.layers for q in layer.q_lens)  # pages in use
     assert torch.equal(out[:, :8], ref[:, :8])
     # a quantized cross-attention cache too: the models read its layers' keys/values after the first step (None
-    # before: AttributeError); they are the dequantized encoder states
+    # there is an AttributeError); they are the dequantized encoder states
     out = _generate_ed(model, inputs, EncoderDecoderCache(QuantizedPagedCache(**NO_QUANT),
                                                           QuantizedPagedCache(**NO_QUANT)))
     assert torch.equal(out, ref)
@@ -166,7 +166,7 @@ def test_cross_attention_as_long_as_the_decoder_step_is_not_served_as_self_atten
 
 def test_whisper_generate_returning_a_dict():
     """Whisper's generate with ``return_dict_in_generate`` splits the cache by sequence through each layer's
-    ``keys``/``values`` (None on a QuantizedPagedLayer before: TypeError). They are now the dequantized history."""
+    ``keys``/``values``, which must not be None (a TypeError there): they are the dequantized history."""
     from transformers import EncoderDecoderCache
 
     model = _whisper()
@@ -271,7 +271,7 @@ def test_additive_bias_in_the_mask_takes_the_fallback(new):
 def test_fallback_layers_do_not_store_pads():
     """Layers the hook leaves to the materialized fallback (here Llama 4's chunked attention) still see the padding
     mask: a left-padded batch stores no pad tokens there either, so each sequence is quantized in the same groups
-    as alone (before, the fallback stored the pads, which shifted the sequence's key groups)."""
+    as alone (stored pads would shift the sequence's key groups)."""
     torch.manual_seed(0)
     model = WINDOWED["llama4"]().eval()
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -422,8 +422,8 @@ def test_soft_capping_is_never_served_from_the_pages(monkeypatch):
 
 def test_global_layers_of_a_model_whose_modules_all_hold_the_window():
     """EXAONE 4 sets ``sliding_window`` on every attention module, its global (full-attention) layers too, and
-    passes ``sliding_window=None`` for those: they are full attention (before, the hook read the module's attribute
-    and windowed them: logits 124% off DynamicCache's). Nothing quantized: the logits equal DynamicCache's."""
+    passes ``sliding_window=None`` for those: they are full attention (the hook must not go by the module's attribute:
+    windowing them puts the logits 124% off DynamicCache's). Nothing quantized: the logits equal DynamicCache's."""
     torch.manual_seed(0)
     model = SLIDING["exaone4"]().eval()
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(1))
@@ -554,8 +554,8 @@ def test_crop_refuses_to_bring_released_tokens_back(monkeypatch):
 
 def test_assisted_decoding_with_a_sliding_window_model(monkeypatch):
     """Assisted decoding stores the candidates as a chunk and crops the rejected ones: a sliding-window layer keeps
-    the pages its chunk's first query sees, so crop can take any of the chunk back (before, it had released pages
-    by the chunk's last token and crop(-1) raised). The tokens equal the fallback's over the same storage."""
+    the pages its chunk's first query sees, so crop can take any of the chunk back (with pages released by the
+    chunk's last token, crop(-1) would raise). The tokens equal the fallback's over the same storage."""
     from kivi_cache import hook
 
     torch.manual_seed(0)
@@ -747,7 +747,7 @@ def test_sdpa_with_sinks_matches_gpt_oss_eager_attention():
 def test_learned_sinks_with_transformers_static_cache():
     """GPT-OSS under our attention (``kivi``) with transformers' own StaticCache: the prompt's full layer gets keys
     of the whole static buffer and no mask (sdpa's is_causal, aligned top-left); the logits equal GPT-OSS's eager
-    attention with the same cache (before: the mask was built aligned bottom-right, logits 0.7 off)."""
+    attention with the same cache (a mask aligned bottom-right puts the logits 0.7 off)."""
     from transformers import StaticCache
 
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))

@@ -152,7 +152,7 @@ def _privacy_filter():
 def test_bidirectional_model_with_sinks(length, padded):
     """OpenAI's privacy filter: a bidirectional encoder (is_causal=False) with GPT-OSS's learned sinks. Shorter than
     its window and unpadded, it gets no mask: under "kivi" that is full attention, as its eager attention computes
-    (before, sdpa_with_sinks took a missing mask for causal: logits 92% off)."""
+    (sdpa_with_sinks must not take a missing mask for causal: that puts the logits 92% off)."""
     torch.manual_seed(0)
     model = _privacy_filter()
     ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(1))

@@ -1,6 +1,7 @@
 """Bad arguments to the op API (kivi_cache.kernels and kivi_cache.reference alike): a ValueError naming the parameter,
-raised before anything is written (kivi_cache.kernels.checks); before, the kernels wrote out of bounds (heap corruption
-for a pool with fewer heads than k), read past the block table or the window, or gave a silent wrong answer."""
+raised before anything is written (kivi_cache.kernels.checks). Unchecked, the kernels would write out of bounds (heap
+corruption for a pool with fewer heads than k), read past the block table or the window, or give a silent wrong
+answer."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def test_prefix_and_dequantize_reject_bad_arguments(mod):
                                    a["res_lengths"], new, new, mask, 4, 4, G, 0.125)
     with pytest.raises(ValueError, match="lengths must be in"):
         mod.dequantize_pages(a["block_table"], ints(-32, 0), *a["pool"], 4, 4, G)
-    with pytest.raises(ValueError, match="block_table is on meta"):  # before: NotImplementedError (reading it)
+    with pytest.raises(ValueError, match="block_table is on meta"):  # not NotImplementedError from reading it
         mod.dequantize_pages(a["block_table"].to("meta"), a["lengths"], *a["pool"], 4, 4, G)
 
 
@@ -151,7 +152,7 @@ def test_zero_points_must_have_their_scales_dtype(mod, which):
 @pytest.mark.parametrize("heads", [2, 3])
 def test_prefix_chunk_heads_must_be_the_pools(mod, heads):
     """new_k/new_v carry the pool's KV heads (1 here): 2 (which Hq=2 divides) or 3 (which it does not) are refused by
-    name (before: torch's RuntimeError from inside the op for 2, and for 3 in place of this check)."""
+    name (not with torch's RuntimeError from inside the op)."""
     a = decode_args()
     q = torch.randn(2, 2, 3, D).to(DT)
     new = torch.randn(2, heads, 3, D).to(DT)
@@ -197,9 +198,9 @@ def zero_points_strided_apart(pl, which):
 
 @pytest.mark.parametrize("which", [2, 5], ids=["k_zero", "v_zero"])
 def test_kernels_reject_zero_points_strided_unlike_their_scales(which):
-    """The kernels index each zero-point tensor with its scales' strides: before, a k_zero/v_zero view strided
-    otherwise gave a silent wrong answer (decode, dequantize) or was written in the wrong places (quantize_and_write;
-    the same with the scales the wider one: heap corruption)."""
+    """The kernels index each zero-point tensor with its scales' strides, so a k_zero/v_zero view strided otherwise
+    is refused: it would give a silent wrong answer (decode, dequantize) or be written in the wrong places
+    (quantize_and_write; the same with the scales the wider one: heap corruption)."""
     name = ("k_zero", "v_zero")[which == 5]
     pl = zero_points_strided_apart(pool(4), which)
     a = decode_args(pool=pl)
@@ -217,8 +218,9 @@ def test_kernels_reject_zero_points_strided_unlike_their_scales(which):
 
 @pytest.mark.parametrize("which", range(6), ids=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"])
 def test_kernels_reject_a_pool_tensor_without_a_contiguous_last_dim(which):
-    """Every kernel reads the pool's rows as contiguous: a tensor that is not raises a ValueError naming it (before,
-    dequantize_pages gave a silent wrong answer and decode a RuntimeError of ``view`` or an unnamed message)."""
+    """Every kernel reads the pool's rows as contiguous: a tensor that is not raises a ValueError naming it
+    (unchecked, dequantize_pages would give a silent wrong answer and decode a RuntimeError of ``view`` or an unnamed
+    message)."""
     name = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")[which]
     pl = pool(4)
     pl[which] = pl[which].transpose(2, 3).contiguous().transpose(2, 3)
@@ -245,9 +247,8 @@ NEW_TOKEN_CASES = {  # name: (new_k, new_v) -> the error
 @pytest.mark.parametrize("case", list(NEW_TOKEN_CASES))
 def test_decode_rejects_a_bad_step_token_before_writing(mod, case):
     """paged_decode_attention's new_k/new_v (the step's token, written into the window): checked like the other
-    arguments. Before, the reference wrote res_k and then failed on a missing new_v (TypeError), took any dtype or
-    device, and failed on a shape with torch's message; the kernels took any dtype and failed on another device with
-    NotImplementedError."""
+    arguments: a missing half, another dtype or device, or a wrong shape is a ValueError naming it, from the kernels
+    and the reference alike, raised before the window is written."""
     make, match = NEW_TOKEN_CASES[case]
     a = decode_args()
     new_k, new_v = make(torch.randn(2, 1, D).to(DT))
@@ -259,8 +260,8 @@ def test_decode_rejects_a_bad_step_token_before_writing(mod, case):
 
 
 def test_ops_pass_a_lone_new_v_on():
-    """kivi_cache.ops (op and DecodeRunner): new_v without new_k reaches the checks (before, it was dropped: the
-    step's value never written, no error)."""
+    """kivi_cache.ops (op and DecodeRunner): new_v without new_k reaches the checks (dropped, the step's value would
+    never be written, with no error)."""
     from kivi_cache import ops
 
     a = decode_args()
@@ -313,10 +314,10 @@ def flush_args(**over):
 
 
 FLUSH_CASES = {
-    # the flushing sequence's next page entry is -1: before, the kernel wrote at page -1 (heap corruption) and the
-    # reference wrote the window, then raised
+    # the flushing sequence's next page entry is -1: unchecked, the kernel would write at page -1 (heap corruption)
+    # and the reference write the window, then raise
     "page_minus_1": (dict(lengths=ints(128, 32)), "block_table entry .*sequence 0.*column 2.* -1"),
-    # a flush at slot lengths % P = 36, no multiple of G: the kernel wrote the group across the page's end
+    # a flush at slot lengths % P = 36, no multiple of G: the kernel would write the group across the page's end
     "misaligned": (dict(lengths=ints(100, 32)), "lengths .*flush.* multiples of group_size=32.*\\[100\\]"),
     # a negative sink count: the flush read and moved window rows before the window's start
     "negative_sinks": (dict(sink_lengths=ints(-5, 2)), "sink_lengths must be in \\[0, sink_length=2\\]"),
@@ -344,9 +345,9 @@ def test_append_and_flush_checks_where_it_flushes_before_writing(mod, case):
     assert unchanged(before, state), "written before the error"
 
 
-SCALAR_CASES = {  # before: the reference failed inside torch (NotImplementedError: "rshift_cpu" not implemented for
-    # 'Float'; TypeError), the kernels took 4.0 and 32.0 silently on a plan made for 4 and 32, or said "could not
-    # convert string to float", and group_size=32.0 was said not to divide head_dim 64
+SCALAR_CASES = {  # unchecked, the reference would fail inside torch (NotImplementedError: "rshift_cpu" not implemented
+    # for 'Float'; TypeError), the kernels take 4.0 and 32.0 silently on a plan made for 4 and 32, or say "could not
+    # convert string to float", and group_size=32.0 be said not to divide head_dim 64
     "key_bits_float": (dict(key_bits=4.0), "key_bits must be one of \\(2, 4, 8\\), got 4.0"),
     "value_bits_str": (dict(value_bits="4"), "value_bits must be one of \\(2, 4, 8\\), got '4'"),
     "group_size_float": (dict(group_size=32.0), "group_size must be an int >= 1 .*got 32.0"),
@@ -375,7 +376,7 @@ def test_attention_rejects_bad_scalar_arguments(mod, case):
 @pytest.mark.parametrize("case", ["dtype", "device"])
 def test_kernel_dequantize_pages_checks_its_out_tensors(case):
     """kernels.dequantize_pages(out=(k, v)): floating tensors on the pool's device, else a ValueError naming out
-    (before: integer outputs were filled with truncated values, and outputs on another device raised
+    (unchecked, integer outputs would be filled with truncated values, and outputs on another device raise
     NotImplementedError here, on a GPU Triton's error about a CPU pointer)."""
     a = decode_args()
     bad = dict(dtype=dict(dtype=torch.int8), device=dict(dtype=DT, device="meta"))[case]
@@ -387,8 +388,8 @@ def test_kernel_dequantize_pages_checks_its_out_tensors(case):
 @pytest.mark.parametrize("mod", [K, R], ids=["kernels", "reference"])
 @pytest.mark.parametrize("name", ["new_k", "new_v", "new_mask"])
 def test_prefix_checks_the_chunks_devices(mod, name):
-    """paged_prefix_attention's chunk (new_k, new_v, new_mask) on another device: a ValueError naming it (before, the
-    reference raised torch's RuntimeError from torch.cat, the kernels copied it across devices or, here,
+    """paged_prefix_attention's chunk (new_k, new_v, new_mask) on another device: a ValueError naming it (not torch's
+    RuntimeError from torch.cat in the reference, nor, in the kernels, a copy across devices or, here,
     NotImplementedError)."""
     a = decode_args()
     chunk = dict(new_k=torch.randn(2, 1, 3, D).to(DT), new_v=torch.randn(2, 1, 3, D).to(DT),

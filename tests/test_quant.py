@@ -1,6 +1,6 @@
 import pytest
 import torch
-from test_kernels import DEV, make_pool
+from kernel_cases import DEV, make_pool
 
 from kivi_cache import quant
 from kivi_cache import reference as ref

@@ -2,7 +2,7 @@
 
 Triton's wheel ships ptxas and nvdisasm, so the exact GPU build (not the interpreter) is checked here:
 the PTX assembles, the paged loop does not spill, uses tensor cores, and stays within an instruction
-budget per code (a regression guard: the kernel is instruction-bound, see eval/NOTES.md).
+budget per code (a regression guard: the kernel is instruction-bound, so its speed follows that count).
 """
 
 import json
@@ -47,7 +47,7 @@ def run_builds(jobs) -> dict:
             procs.append((p, part, out, err))
         built = {}
         for p, part, out, err in procs:
-            p.wait(timeout=300 * len(part))  # as before: 300 s per build
+            p.wait(timeout=300 * len(part))  # 300 s per build
             with out, err:
                 out.seek(0)
                 err.seek(0)
@@ -128,7 +128,7 @@ def test_decode_kernel_builds_for_sm90(consts, budget):
     budget = budget if known else budget * 1.1
     assert r["per_code"] < budget, f"{r['per_code']:.2f} instructions per code per lane (budget {budget})"
     # the next step's copies stay in flight during this step's math: a wait for 0 outstanding copy groups at
-    # the top of the loop would expose the load latency once per step (the 3-stage build did: eval/NOTES.md)
+    # the top of the loop would expose the load latency once per step (a 3-stage build waits so: the test below)
     assert r["loop_waits"] and min(r["loop_waits"]) > 0, r["loop_waits"]
 
 
@@ -182,10 +182,9 @@ def test_decode_kernel_three_stages_serialize_loads():
 
 
 def test_decode_kernel_32_token_steps_fit_128_registers():
-    """32-token steps (pages not a multiple of 64) run under a 128-register cap. Triton 3.6 (the GPU
-    image, where it was measured) spilled 5 instructions in the loop (4 since kernel-sass, 3.62 per code); newer
-    Triton allocates differently
-    (3.9: 35), so there only a loose bound guards against a blow-up."""
+    """32-token steps (pages not a multiple of 64) run under a 128-register cap. Triton 3.6 (the GPU image) spills a
+    few instructions in the loop there; newer Triton allocates differently (3.9: a few dozen), so there only a loose
+    bound guards against a blow-up."""
     import triton
 
     r = sass(*STEP32, maxnreg=128)

@@ -4,8 +4,7 @@ Each prompt is ~400-470 tokens of a chapter opening (cut at a paragraph end), so
 residual_length 128 most of the context sits in quantized pages. We compare 48 greedy tokens
 against a full-precision DynamicCache, counting the leading tokens that agree.
 
-Measured on a 2-core CPU (eval/NOTES.md, "SmolLM2 greedy agreement (CPU)"), leading tokens
-that agree out of 48:
+On a 2-core CPU, the leading tokens that agree out of 48 are:
 
     passage (prompt tokens)                  int8   int4 (no sinks)   int4 (preset, 4 sinks)
     Pride and Prejudice ch. 2  (466)          48     22                7
