@@ -219,7 +219,7 @@ def flush_probe(model, ids, args, dev) -> None:
         flushed = []
 
         def on_step(c=cache, seen=flushed):
-            seen.append(sum(c.layers[0].q_lens))
+            seen.append(sum(c.layers[0].paged_lens))
 
         step_s, host_s = decode(model, cache, ids, args.flush_probe, dev, wait=True, on_step=on_step)
         flush = [i > 0 and flushed[i] != flushed[i - 1] for i in range(len(flushed))]
@@ -253,7 +253,7 @@ def flush_profile(model, ids, args, dev) -> None:
         sync(dev)
         pos = ids.shape[1]
         for _ in range(args.flush_profile):
-            before = sum(cache.layers[0].q_lens)
+            before = sum(cache.layers[0].paged_lens)
             prof = cProfile.Profile()
             with profile(activities=acts) as tp:
                 prof.enable()
@@ -263,7 +263,7 @@ def flush_profile(model, ids, args, dev) -> None:
                 prof.disable()
                 sync(dev)
             pos += 1
-            k = kinds[sum(cache.layers[0].q_lens) != before]
+            k = kinds[sum(cache.layers[0].paged_lens) != before]
             k[0] = pstats.Stats(prof) if k[0] is None else (k[0].add(prof) or k[0])
             for e in tp.key_averages():
                 k[1][e.key] = k[1].get(e.key, 0.0) + e.self_cpu_time_total

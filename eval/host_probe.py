@@ -39,15 +39,15 @@ def main():
     one = torch.randn(b, 1, 1, 32)
     steps, flushes = [], []
     for _ in range(args.steps):
-        q0 = layer.q_lens[0]
+        q0 = layer.paged_lens[0]
         t0 = time.perf_counter()
         cache.update(one, one, 0)
         layer.commit(layer.pending)
         layer._device_state()
-        (flushes if layer.q_lens[0] != q0 else steps).append(time.perf_counter() - t0)
+        (flushes if layer.paged_lens[0] != q0 else steps).append(time.perf_counter() - t0)
     builds = []
     for _ in range(20):
-        layer._dev = None
+        layer._device_tables = None
         t0 = time.perf_counter()
         layer._device_state()
         builds.append(time.perf_counter() - t0)

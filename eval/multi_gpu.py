@@ -73,7 +73,7 @@ def main():
                multi_equals_single_int4=bool(torch.equal(multi, one_int4)),
                int4_vs_fp16_agreement=float((one_int4[:, new] == one_fp16[:, new]).float().mean()),
                placement_ok=all(p["ok"] for p in placement), placement=placement,
-               quantized_tokens=int(sum(sum(layer.q_lens) for layer in cache.layers)))
+               quantized_tokens=int(sum(sum(layer.paged_lens) for layer in cache.layers)))
     print(json.dumps({k: v for k, v in res.items() if k != "placement"}, indent=1))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

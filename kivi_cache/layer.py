@@ -5,16 +5,16 @@ State per sequence ``b``:
 * ``pads[b]``: positions of the batch's virtual timeline that hold no stored
   token (left padding; those tokens are never stored when the attention hook
   sees the padding mask);
-* ``q_lens[b]`` quantized tokens in the pages listed by ``tables[b]``
+* ``paged_lens[b]`` quantized tokens in the pages listed by ``tables[b]``
   (always a multiple of ``group_size``);
-* ``r_lens[b]`` tokens in full precision in ``res_k/res_v[b]``: first the sequence's
+* ``window_lens[b]`` tokens in full precision in ``res_k/res_v[b]``: first the sequence's
   ``sinks[b]`` attention-sink tokens (its first ``sink_length`` tokens, kept for good),
   then the newest tokens (the residual window proper);
 * ``hidden[b]``: leading entries of ``tables[b]`` whose pages were released (a sliding-window
   layer: no query can see their tokens again); they point at the pool's zero page.
 
 ``seen`` is the virtual length (what ``get_seq_length`` reports and the masks
-are built for): ``seen == pads[b] + q_lens[b] + r_lens[b]`` for every b.
+are built for): ``seen == pads[b] + paged_lens[b] + window_lens[b]`` for every b.
 
 The layer is the transformers-facing part (update, attention, materialization, batch operations, sizes); storing
 tokens into the window and the pages is :class:`kivi_cache.store.Store`, the device copy of the tables and lengths
@@ -95,7 +95,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         if self.sliding_window is not None:
             return self.sliding_window == window
         if self.cfg.sink_length:
-            if any(self.sinks) or any(self.q_lens) or any(self.r_lens):
+            if any(self.sinks) or any(self.paged_lens) or any(self.window_lens):
                 return False
             self.cfg = dataclasses.replace(self.cfg, sink_length=0)
         self.sliding_window = window
@@ -105,15 +105,15 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
     def _clear_sequences(self) -> None:
         self.batch_size = 0
         self.tables: list[list[int]] = []
-        self.q_lens: list[int] = []
-        self.r_lens: list[int] = []
+        self.paged_lens: list[int] = []
+        self.window_lens: list[int] = []
         self.pads: list[int] = []
         self.sinks: list[int] = []
         self.hidden: list[int] = []
         self.seen = 0
         self.res_k = self.res_v = None
         self.pending: PendingStep | None = None
-        self._dev = None  # cached (block_table, q_lens, r_lens) device tensors
+        self._device_tables = None  # cached (block_table, paged_lens, window_lens) device tensors
         self._bt_width = 0  # the columns of the cached device block table that hold pages (the rest: spare, -1)
         self._length_rows = None  # this batch's rows of the shared window-length table (_uniform_lengths)
         if self.pool is not None:
@@ -139,8 +139,8 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         self._clear_sequences()
         self.batch_size = b
         self.tables = [[] for _ in range(b)]
-        self.q_lens = [0] * b
-        self.r_lens = [0] * b
+        self.paged_lens = [0] * b
+        self.window_lens = [0] * b
         self.pads = [0] * b
         self.sinks = [0] * b
         self.hidden = [0] * b
@@ -192,7 +192,8 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                 return self._append_one(k, v, defer_write)
             # the stored index of each sequence's first new token: the step's first query (a sliding-window layer
             # keeps what it sees, so that crop may take the step's tokens back: assisted decoding's rejected candidates)
-            first = [q + r for q, r in zip(self.q_lens, self.r_lens, strict=True)] if self.sliding_window else None
+            first = ([q + r for q, r in zip(self.paged_lens, self.window_lens, strict=True)] if self.sliding_window
+                     else None)
             self._append_chunk(k, v, valid)
             if first is not None:
                 self._release_hidden_pages(first)
@@ -232,7 +233,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                     self.mark_unusable("storing a step", exc)
                 raise
             return run(query.select(2, 0), rl, scaling, sink_logits=sink_logits).unsqueeze(1)
-        if not any(self.q_lens) and not any(self.r_lens):
+        if not any(self.paged_lens) and not any(self.window_lens):
             # a prompt on an empty cache: plain full-precision attention over it
             mask = None if attention_mask is None else attention_mask[..., -n:]
             out, _ = sdpa_fn(module, query, step.key, step.value, mask, scaling=scaling, **kwargs)
@@ -310,11 +311,11 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         cfg = self.cfg
         bt, ql, _ = self._device_state()
         bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
-        if (b and self.q_lens[0] + self.r_lens[0] == length and all_equal(self.q_lens) and all_equal(self.r_lens)
-                and all_equal(self.sinks) and not any(self.hidden)):
+        if (b and self.paged_lens[0] + self.window_lens[0] == length and all_equal(self.paged_lens)
+                and all_equal(self.window_lens) and all_equal(self.sinks) and not any(self.hidden)):
             # no pads, nothing released (eager attention's step): sinks, quantized tokens and the newest written
             # straight into one buffer
-            q, r, s = self.q_lens[0], self.r_lens[0], self.sinks[0]
+            q, r, s = self.paged_lens[0], self.window_lens[0], self.sinks[0]
             k = torch.empty(b, h, length + (0 if tail is None else tail[0].shape[2]), d, dtype=self.dtype,
                             device=self.device)
             v = torch.empty_like(k)
@@ -328,11 +329,11 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                                      out=(k[:, :, s:s + q], v[:, :, s:s + q]))
             return k, v
         with checks.own_state():
-            qk, qv = ops.dequantize_pages(bt, ql, self.pool.args(), **bits, max_len=max(self.q_lens))
+            qk, qv = ops.dequantize_pages(bt, ql, self.pool.args(), **bits, max_len=max(self.paged_lens))
         k = torch.zeros(b, h, length, d, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         for i in range(b):
-            q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
+            q, r, s = self.paged_lens[i], self.window_lens[i], self.sinks[i]
             start = length - q - r  # timeline: [pads][sinks][quantized][newest]
             k[i, :, start:start + s] = self.res_k[i, :, :s]
             v[i, :, start:start + s] = self.res_v[i, :, :s]
@@ -407,15 +408,15 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         for t in self.tables:
             self.pool.release(t)
         self.tables = new_tables
-        self.q_lens = [self.q_lens[i] for i in index]
-        self.r_lens = [self.r_lens[i] for i in index]
+        self.paged_lens = [self.paged_lens[i] for i in index]
+        self.window_lens = [self.window_lens[i] for i in index]
         self.pads = [self.pads[i] for i in index]
         self.sinks = [self.sinks[i] for i in index]
         self.hidden = [self.hidden[i] for i in index]
         self.res_k, self.res_v = res_k, res_v
         self.batch_size = len(index)
         self._length_rows = None
-        self._dev = None
+        self._device_tables = None
         self.pool.decode_runner = None  # it holds the old window
 
     def select(self, index, name: str = "indices") -> None:
@@ -448,13 +449,14 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         remove = min(-n if n <= 0 else max(0, self.seen - n), self.seen)
         p, w = self.cfg.page_size, self.sliding_window
         for i in range(self.batch_size):
-            kept = self.q_lens[i] + self.r_lens[i] - min(remove, self.q_lens[i] + self.r_lens[i])
+            kept = self.paged_lens[i] + self.window_lens[i] - min(remove, self.paged_lens[i] + self.window_lens[i])
             # the next query (stored index kept) sees indices > kept - w
             if remove and self.hidden[i] and self.hidden[i] * p > kept + 1 - w:
                 raise ValueError(
                     f"crop({tokens_to_remove}) would bring tokens back into the sliding window ({w}) of a layer that "
                     f"released their pages (sequence {i}: {self.hidden[i] * p} released, {kept} would stay); "
-                    f"crop by at most {self.q_lens[i] + self.r_lens[i] + 1 - self.hidden[i] * p - w} tokens here")
+                    f"crop by at most {self.paged_lens[i] + self.window_lens[i] + 1 - self.hidden[i] * p - w} "
+                    f"tokens here")
         return remove
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -472,10 +474,10 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         cfg = self.cfg
         g, p = cfg.group_size, cfg.page_size
         for i in range(self.batch_size):
-            q, r, s = self.q_lens[i], self.r_lens[i], self.sinks[i]
+            q, r, s = self.paged_lens[i], self.window_lens[i], self.sinks[i]
             drop = min(remove, q + r)  # newest first: window tokens, then pages, then sinks
             if drop <= r - s:
-                self.r_lens[i] = r - drop
+                self.window_lens[i] = r - drop
                 continue
             keep_q = q + (r - s) - drop  # tokens that stay in pages (negative: sinks go too)
             start = max(0, keep_q) // g * g  # a partial group goes back to the residual window
@@ -486,17 +488,17 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                 self.res_k[i, :, s:s + keep_q - start] = dk[0, :, start:keep_q]
                 self.res_v[i, :, s:s + keep_q - start] = dv[0, :, start:keep_q]
             if keep_q >= 0:
-                self.r_lens[i] = s + keep_q - start
+                self.window_lens[i] = s + keep_q - start
             else:
-                self.sinks[i] = self.r_lens[i] = s + keep_q
-            self.q_lens[i] = start
+                self.sinks[i] = self.window_lens[i] = s + keep_q
+            self.paged_lens[i] = start
             n_pages = -(-start // p)
             self.pool.release(self.tables[i][n_pages:])
             del self.tables[i][n_pages:]
-            self._dev = None
+            self._device_tables = None
         self.pads = [max(0, x - max(0, remove - (self.seen - x))) for x in self.pads]
         self.seen -= remove
-        self._dev = None
+        self._device_tables = None
 
     def reset(self) -> None:
         if self.pool is not None:
@@ -517,7 +519,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         """Quantized tokens the pages hold: a page shared by several sequences (beams) counted once, by its
         fullest sequence."""
         p, held, zero = self.cfg.page_size, {}, self.pool.zero
-        for table, q, h in zip(self.tables, self.q_lens, self.hidden, strict=True):
+        for table, q, h in zip(self.tables, self.paged_lens, self.hidden, strict=True):
             for j, page in enumerate(table):
                 if page != zero and j >= h:  # released entries (a static ring's) hold nothing
                     held[page] = max(held.get(page, 0), min(p, max(0, q - j * p)))
@@ -529,10 +531,10 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         c, h, d = self.cfg, self.num_heads, self.head_dim
         per_page = self.pool.page_nbytes()
         # quantized tokens still held (a sliding-window layer's released ones are not: they count nowhere)
-        live_q = sum(self.q_lens) - sum(self.hidden) * c.page_size
+        live_q = sum(self.paged_lens) - sum(self.hidden) * c.page_size
         frac = self._held_page_tokens() / c.page_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        live_r = sum(self.r_lens)
+        live_r = sum(self.window_lens)
         live_s = sum(self.sinks)
         residual_alloc = 0 if self.res_k is None else 2 * self.res_k.numel() * elem
         pages_used = self.pool.pages_in_use

@@ -33,7 +33,7 @@ def _warn_slow_path(step) -> None:
     """Once per process: a decode step over a quantized history read by an attention function that is not the hook
     (``eager`` attention: GPT-OSS's and Gemma 2's default, or flash), which dequantizes the whole history every step."""
     global _warned_slow
-    if _warned_slow or step.key.shape[2] != 1 or not any(getattr(step.layer, "q_lens", ())):
+    if _warned_slow or step.key.shape[2] != 1 or not any(getattr(step.layer, "paged_lens", ())):
         return
     _warned_slow = True
     warnings.warn("kivi_cache: this model's attention implementation does not read the quantized pages (e.g. "

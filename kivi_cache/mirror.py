@@ -1,9 +1,10 @@
 """The device mirror of a layer's block tables and lengths: what the paged ops read on the device.
 
 :class:`DeviceMirror` is a part of :class:`~kivi_cache.layer.QuantizedPagedLayer` (it reads the layer's host
-bookkeeping: ``tables``, ``q_lens``, ``r_lens``): ``_device_state()`` gives ``(block_table [B, W] int32,
-q_lens [B] int32, r_lens [B] int32)`` on the cache's device, uploaded once and kept (``_dev``) until the host state
-changes; the store (:mod:`kivi_cache.store`) updates it in place where a decode step's flush allows.
+bookkeeping: ``tables``, ``paged_lens``, ``window_lens``): ``_device_state()`` gives ``(block_table [B, W] int32,
+paged_lens [B] int32, window_lens [B] int32)`` on the cache's device, uploaded once and kept (``_device_tables``)
+until the host state changes; the store (:mod:`kivi_cache.store`) updates it in place where a decode step's flush
+allows.
 """
 
 from __future__ import annotations
@@ -27,19 +28,19 @@ class DeviceMirror:
     SPARE_COLUMNS = True
 
     def _device_state(self):
-        if self._dev is None:
+        if self._device_tables is None:
             width = max(1, max(map(len, self.tables), default=1))
             cols = self._table_columns(width)
             # through numpy: torch.tensor on nested lists is several times slower for large batches
             bt = np.array([t if len(t) == cols else t + [-1] * (cols - len(t)) for t in self.tables], dtype=np.int32)
-            r = self.r_lens
+            r = self.window_lens
             self._bt_width = width
-            self._dev = (
+            self._device_tables = (
                 self._upload(bt.reshape(len(self.tables), cols)),
-                self._upload(np.array(self.q_lens, dtype=np.int32)),
+                self._upload(np.array(self.paged_lens, dtype=np.int32)),
                 self._uniform_lengths(r[0]) if all_equal(r) else self._upload(np.array(r, dtype=np.int32)),
             )
-        return self._dev
+        return self._device_tables
 
     def _table_columns(self, width: int) -> int:
         """Columns of the device block table for tables of ``width`` pages (spare ones up to a power of two)."""

@@ -182,16 +182,17 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                     self.pool.share(table[-1:])
                 else:
                     table.append(self.pool.allocate())
-        self._dev = None
+        self._device_tables = None
         bt, ql, rl = self._device_state()
-        self.block_table, self.q_len, self.r_len = (self._reuse("block_table", bt), self._reuse("q_len", ql.clone()),
-                                                    self._reuse("r_len", rl.clone()))
+        self.block_table = self._reuse("block_table", bt)
+        self.paged_len = self._reuse("paged_len", ql.clone())
+        self.window_len = self._reuse("window_len", rl.clone())
         self.sink_len = self._reuse("sink_len", torch.tensor(self.sinks, dtype=torch.int32, device=self.device))
         self.seen_t = self._reuse("seen_t", torch.tensor(self.seen, device=self.device))
         self.host_seen = self.seen  # the same count on the host, for the eager check in _update_static
         self.static = True
         if not torch.compiler.is_compiling():
-            for t in (*self.pool.args(), self.res_k, self.res_v, self.block_table, self.q_len, self.r_len,
+            for t in (*self.pool.args(), self.res_k, self.res_v, self.block_table, self.paged_len, self.window_len,
                       self.sink_len, self.seen_t):
                 torch._dynamo.mark_static_address(t)
 
@@ -268,17 +269,17 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         if key_states.requires_grad or value_states.requires_grad:  # the cache keeps data, not graphs
             key_states, value_states = key_states.detach(), value_states.detach()
         cfg, g = self.cfg, self.cfg.group_size
-        torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.r_len,
-                                              self.sink_len, self.q_len, self.block_table, *self.pool.args(),
+        torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.window_len,
+                                              self.sink_len, self.paged_len, self.block_table, *self.pool.args(),
                                               cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length)
         self.decoding = True
         if not torch.compiler.is_compiling():
             self.host_seen += 1
         # the lengths as the op read them, advanced by the window rule it follows
-        sinks, flushed = window_append(self.r_len, self.sink_len, 1, **self._rule())
+        sinks, flushed = window_append(self.window_len, self.sink_len, 1, **self._rule())
         self.sink_len.copy_(sinks)
-        self.q_len.add_(flushed)
-        self.r_len.add_(1 - flushed)
+        self.paged_len.add_(flushed)
+        self.window_len.add_(1 - flushed)
         self.seen_t.add_(1)
         if torch.compiler.is_compiling():  # no host check above: past max_cache_len a flush would find no page of
             # its own; fail (asynchronously: no host sync) instead of overwriting the sequence's last page
@@ -296,24 +297,24 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                 del table[width:]
             self.ring = None
         self.static = False
-        self._dev = None
+        self._device_tables = None
 
     def _sync_host(self, hidden: bool = True) -> None:
         """The host bookkeeping from the device state; with ``hidden``, a ring's entries that no query can see again
         count as released (``hidden``: as the eager path's, whose entries point at the zero page)."""
-        self.q_lens = self.q_len.tolist()
-        self.r_lens = self.r_len.tolist()
+        self.paged_lens = self.paged_len.tolist()
+        self.window_lens = self.window_len.tolist()
         self.sinks = self.sink_len.tolist()
         if hidden and self.ring is not None:
             w, p = self.sliding_window, self.cfg.page_size
             self.hidden = [max(h, max(0, min(q, q + r - w)) // p)
-                           for h, q, r in zip(self.hidden, self.q_lens, self.r_lens, strict=True)]
+                           for h, q, r in zip(self.hidden, self.paged_lens, self.window_lens, strict=True)]
 
     def attend_static(self, query: torch.Tensor, scaling: float, sink_logits=None) -> torch.Tensor:
         cfg = self.cfg
         out = torch.ops.kivi_cache.paged_decode_attention(
-            query[:, :, 0].contiguous(), self.block_table, self.q_len, *self.pool.args(), self.res_k, self.res_v,
-            self.r_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling), self.sliding_window or 0,
+            query[:, :, 0].contiguous(), self.block_table, self.paged_len, *self.pool.args(), self.res_k, self.res_v,
+            self.window_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling), self.sliding_window or 0,
             None if sink_logits is None else sink_logits.detach())
         return out[:, None]
 
@@ -355,7 +356,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         """The pages a static-mode reorder copies (destinations, sources); ValueError where sequences' released
         (zero-page) entries differ: only beams of one prompt correspond entry by entry."""
         zero, p = self.pool.zero, self.cfg.page_size
-        used = [-(-q // p) for q in self.q_len.tolist()]  # entries holding stored tokens (beam search syncs anyway)
+        used = [-(-q // p) for q in self.paged_len.tolist()]  # entries holding stored tokens (beam search syncs anyway)
         dst, src, done = [], [], set()
         for child, parent in enumerate(index):
             if child == parent:
@@ -389,9 +390,9 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
             for t in self.pool.args():
                 t.index_copy_(0, d_t, t.index_select(0, s_t))
         rows = torch.tensor(index, dtype=torch.long, device=self.device)
-        for t in (self.res_k, self.res_v, self.q_len, self.r_len, self.sink_len):
+        for t in (self.res_k, self.res_v, self.paged_len, self.window_len, self.sink_len):
             t.copy_(t.index_select(0, rows))
-        for name in ("q_lens", "r_lens", "pads", "sinks", "hidden"):
+        for name in ("paged_lens", "window_lens", "pads", "sinks", "hidden"):
             setattr(self, name, [getattr(self, name)[i] for i in index])
 
     def _full_precision(self, which: int):
@@ -399,12 +400,12 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
             return super()._full_precision(which)
         # the host bookkeeping from the device state (as memory_stats), the device state itself for the tables
         self._sync_host()
-        saved = self._dev, self.seen
-        self._dev, self.seen = (self.block_table, self.q_len, self.r_len), int(self.seen_t)
+        saved = self._device_tables, self.seen
+        self._device_tables, self.seen = (self.block_table, self.paged_len, self.window_len), int(self.seen_t)
         try:
             return super()._full_precision(which)
         finally:
-            self._dev, self.seen = saved
+            self._device_tables, self.seen = saved
 
     def memory_stats(self) -> dict:
         if not self.static:

@@ -38,7 +38,7 @@ class Store:
         if skip:
             for i in seqs:
                 self._hide(i, (q + skip) // self.cfg.page_size)
-                self.q_lens[i] += skip
+                self.paged_lens[i] += skip
             groups = (groups[0][..., skip:, :], groups[1][..., skip:, :])
         return groups if groups[0].shape[-2] else None
 
@@ -60,21 +60,22 @@ class Store:
         ``first[i]`` (None: a one-token step, the newest stored token). Their entries then point at the pool's zero
         page. Keeping what the step's first query sees lets ``crop`` take back the step's tokens."""
         w, p = self.sliding_window, self.cfg.page_size
-        if first is None and self.hidden and all_equal(self.hidden) and all_equal(self.q_lens) and all_equal(
-                self.r_lens):  # a decode step of an unpadded batch: one answer for all (most flushes release nothing)
-            q = self.q_lens[0]
-            if max(0, min(q, q + self.r_lens[0] - w)) // p <= self.hidden[0]:
+        # a decode step of an unpadded batch: one answer for all (most flushes release nothing)
+        if (first is None and self.hidden and all_equal(self.hidden) and all_equal(self.paged_lens)
+                and all_equal(self.window_lens)):
+            q = self.paged_lens[0]
+            if max(0, min(q, q + self.window_lens[0] - w)) // p <= self.hidden[0]:
                 return
         changed = False
         for i in range(self.batch_size):
-            q = self.q_lens[i]
-            t = q + self.r_lens[i] - 1 if first is None else first[i]
+            q = self.paged_lens[i]
+            t = q + self.window_lens[i] - 1 if first is None else first[i]
             changed |= self._hide(i, max(0, min(q, t + 1 - w)) // p)
         if changed:
-            self._dev = None
+            self._device_tables = None
 
     def _append_one(self, k, v, defer_write: bool = False) -> bool:
-        r, rule, b = self.r_lens, self._rule(), self.batch_size
+        r, rule, b = self.window_lens, self._rule(), self.batch_size
         uniform = self._uniform()  # no padding so far: one window length and sink count for all
         if uniform:  # O(1) list updates
             s0, c = window_append(r[0], self.sinks[0], 1, **rule)
@@ -88,12 +89,12 @@ class Store:
         deferred = defer_write and not full  # a flush reads the window: then it is written here first
         if not deferred:
             self._window_write(k, v, uniform or all_equal(r))
-        self.r_lens, self.sinks = new_r, new_s
-        if self._dev is not None:
+        self.window_lens, self.sinks = new_r, new_s
+        if self._device_tables is not None:
             if all_equal(new_r):
-                self._dev = (*self._dev[:2], self._uniform_lengths(new_r[0]))
+                self._device_tables = (*self._device_tables[:2], self._uniform_lengths(new_r[0]))
             else:  # lengths that differ stayed different: an uploaded tensor of this layer, not a shared row
-                self._dev[2].add_(1)
+                self._device_tables[2].add_(1)
         if full:
             self._flush_residual(full)
             if self.sliding_window is not None:
@@ -103,7 +104,7 @@ class Store:
     def _window_write(self, k, v, equal: bool) -> None:
         """Write a one-token step into every window at its current length (``equal``: one length for all)."""
         if equal:  # narrow + copy_: half the host time of an indexed assignment
-            r = self.r_lens[0]
+            r = self.window_lens[0]
             self.res_k.narrow(2, r, 1).copy_(k)
             self.res_v.narrow(2, r, 1).copy_(v)
         else:
@@ -114,7 +115,7 @@ class Store:
 
     def _uniform(self) -> bool:
         """Every sequence has the same window and sink lengths (no padding so far): bulk tensor ops apply."""
-        return all_equal(self.r_lens) and all_equal(self.sinks)
+        return all_equal(self.window_lens) and all_equal(self.sinks)
 
     def _rule(self) -> dict:
         """The window rule's settings (:func:`kivi_cache.window.window_append`) for this layer."""
@@ -127,19 +128,19 @@ class Store:
 
     def _flush_residual(self, seqs) -> None:
         if len(seqs) == self.batch_size and self._uniform():  # every window at once
-            s, r = self.sinks[0], self.r_lens[0]
+            s, r = self.sinks[0], self.window_lens[0]
             c = self._flush_count(r, s)
-            old, old_width = self._dev, self._bt_width
+            old, old_width = self._device_tables, self._bt_width
             # quantized before the shift; a flush into the pages of the cached table's last column reads their ids
             # from it (no upload)
             last = old[0][:, old_width - 1] if old is not None and old_width == len(self.tables[0]) else None
             done = self._write_batch(self.res_k[:, :, s:s + c], self.res_v[:, :, s:s + c], last)
             self._window_drop(slice(None), s, r, c)
-            self.r_lens = [r - c] * self.batch_size
+            self.window_lens = [r - c] * self.batch_size
             width = len(self.tables[0])
             if old is not None and done is not None and (done[1], old_width) in (("same", width),
                                                                                   ("append", width - 1)):
-                # a decode step's flush: the device state follows without uploading it again: the quantized lengths
+                # a decode step's flush: the device state follows without uploading it again: the paged lengths
                 # grow by c, the block table keeps its pages or gains the column of pages just written (in a spare
                 # column: the same tensor; else a wider copy)
                 pages, change = done
@@ -150,20 +151,20 @@ class Store:
                         bt = torch.cat([bt, pages[:, None], spare], dim=1)
                     else:
                         bt[:, width - 1] = pages
-                self._dev = (bt, old[1].add_(c), self._uniform_lengths(r - c))
+                self._device_tables = (bt, old[1].add_(c), self._uniform_lengths(r - c))
                 self._bt_width = width
                 return
         else:
             items = []
             for i in seqs:
                 s = self.sinks[i]
-                c = self._flush_count(self.r_lens[i], s)
+                c = self._flush_count(self.window_lens[i], s)
                 items.append((i, self.res_k[i, :, s:s + c], self.res_v[i, :, s:s + c]))
             self._write_groups(items)  # copies the groups out before the shift below
             for i, kc, _ in items:
-                self._window_drop(i, self.sinks[i], self.r_lens[i], kc.shape[1])
-                self.r_lens[i] -= kc.shape[1]
-        self._dev = None
+                self._window_drop(i, self.sinks[i], self.window_lens[i], kc.shape[1])
+                self.window_lens[i] -= kc.shape[1]
+        self._device_tables = None
 
     def _window_drop(self, idx, s: int, r: int, c: int) -> None:
         """Remove the ``c`` window tokens after the ``s`` sinks of sequence ``idx`` (an int) or of every
@@ -195,14 +196,14 @@ class Store:
     def _append_chunk(self, k, v, valid) -> None:
         n_new = k.shape[2]
         if valid is None and self._uniform():  # the whole batch at once (a prompt or chunk without padding)
-            s, r, groups = self._window_append(slice(None), self.r_lens[0], self.sinks[0], k, v)
+            s, r, groups = self._window_append(slice(None), self.window_lens[0], self.sinks[0], k, v)
             if groups is not None:
-                groups = self._skip_hidden(range(self.batch_size), self.q_lens[0], r, groups)
+                groups = self._skip_hidden(range(self.batch_size), self.paged_lens[0], r, groups)
             if groups is not None:
                 self._write_batch(*groups)
             self.sinks = [s] * self.batch_size
-            self.r_lens = [r] * self.batch_size
-            self._dev = None
+            self.window_lens = [r] * self.batch_size
+            self._device_tables = None
             return
         items = []
         for i in range(self.batch_size):
@@ -212,32 +213,33 @@ class Store:
                 keep = valid[i].nonzero().squeeze(-1)
                 nk, nv = k[i].index_select(1, keep), v[i].index_select(1, keep)
             self.pads[i] += n_new - nk.shape[1]
-            self.sinks[i], self.r_lens[i], groups = self._window_append(i, self.r_lens[i], self.sinks[i], nk, nv)
+            self.sinks[i], self.window_lens[i], groups = self._window_append(i, self.window_lens[i], self.sinks[i], nk,
+                                                                             nv)
             if groups is not None:
-                groups = self._skip_hidden((i,), self.q_lens[i], self.r_lens[i], groups)
+                groups = self._skip_hidden((i,), self.paged_lens[i], self.window_lens[i], groups)
             if groups is not None:
                 items.append((i, *groups))
         self._write_groups(items)
-        self._dev = None
+        self._device_tables = None
 
     def _reserve_pages(self, counts) -> None:
         """Grow the pool once for a step: ``counts`` = (sequence, tokens to quantize) pairs."""
         p = self.cfg.page_size
-        self.pool.reserve(sum(max(0, -(-(self.q_lens[i] + c) // p) - len(self.tables[i])) for i, c in counts))
+        self.pool.reserve(sum(max(0, -(-(self.paged_lens[i] + c) // p) - len(self.tables[i])) for i, c in counts))
 
     def _reserve(self, i: int, c: int, pages: list, slots: list) -> None:
         """Page and slot of each of sequence ``i``'s next ``c // G`` groups (pages allocated as needed)."""
         g, p, pool = self.cfg.group_size, self.cfg.page_size, self.pool
         table = self.tables[i]
-        for t in range(self.q_lens[i], self.q_lens[i] + c, g):
+        for t in range(self.paged_lens[i], self.paged_lens[i] + c, g):
             j, slot = divmod(t, p)
             if j == len(table):
                 table.append(pool.allocate())
-            elif t == self.q_lens[i]:  # first write into a partly filled page
+            elif t == self.paged_lens[i]:  # first write into a partly filled page
                 table[j] = pool.copy_on_write(table[j])
             pages.append(table[j])
             slots.append(slot)
-        self.q_lens[i] += c
+        self.paged_lens[i] += c
 
     def _reserve_one_group_each(self):
         """:meth:`_reserve` of one group for every sequence when all hold the same number of quantized tokens (the
@@ -247,7 +249,7 @@ class Store:
         changed: "append" (a page each), "same" or "cow" (a shared page replaced by a private copy)); None (nothing
         done) where the tables differ in width."""
         p, pool, tables = self.cfg.page_size, self.pool, self.tables
-        q0, b = self.q_lens[0], self.batch_size
+        q0, b = self.paged_lens[0], self.batch_size
         j, slot = divmod(q0, p)
         widths = {len(t) for t in tables}
         change = "same"
@@ -263,7 +265,7 @@ class Store:
                     change = "cow"
         else:  # tables of different widths (not seen in practice): the per-sequence loop
             return None
-        self.q_lens = [q0 + self.cfg.group_size] * b
+        self.paged_lens = [q0 + self.cfg.group_size] * b
         return [t[j] for t in tables], slot, change
 
     def _quantize(self, k_groups, v_groups, pages: list, slots, pages_dev=None) -> torch.Tensor:
@@ -298,7 +300,7 @@ class Store:
             ks.append(kc.reshape(h, c // g, g, d).transpose(0, 1))
             vs.append(vc.reshape(h, c // g, g, d).transpose(0, 1))
         self._quantize(torch.cat(ks), torch.cat(vs), pages, slots)
-        self._dev = None
+        self._device_tables = None
 
     def _write_batch(self, kc, vc, last_column=None):
         """Every sequence's next ``c`` tokens (keys/values ``[B, H, c, D]``, c multiple of G), one launch. Drops the
@@ -308,8 +310,8 @@ class Store:
         into each sequence's last page, no copy-on-write)."""
         b, h, c, d = kc.shape
         g = self.cfg.group_size
-        self._dev = None
-        fast = c == g and all_equal(self.q_lens)  # a decode flush: one group each, same page index
+        self._device_tables = None
+        fast = c == g and all_equal(self.paged_lens)  # a decode flush: one group each, same page index
         reserved = self._reserve_one_group_each() if fast else None
         if reserved is not None:
             pages, slots, change = reserved

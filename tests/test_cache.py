@@ -81,8 +81,8 @@ def test_stored_history_is_fake_quantized_original(kb, vb):
     layer = cache.layers[0]  # the first layer's keys do not depend on earlier quantized attention
     k_ref, v_ref = dyn.layers[0].keys, dyn.layers[0].values
     k, v = layer._stored_layout(layer.seen)
-    q = layer.q_lens[0]
-    assert q == 48 and layer.r_lens[0] == 27  # 75 = 48 quantized + 27 (R=16 .. R+G-1=31)
+    q = layer.paged_lens[0]
+    assert q == 48 and layer.window_lens[0] == 27  # 75 = 48 quantized + 27 (R=16 .. R+G-1=31)
     g = SMALL["group_size"]
     fake_k = quant.dequantize_keys(*quant.quantize_keys(k_ref[:, :, :q], kb, g), g)
     fake_v = quant.dequantize_values(*quant.quantize_values(v_ref[:, :, :q], vb, g), g)
@@ -100,7 +100,7 @@ def test_stored_layout_in_one_copy_equals_the_per_sequence_copies(monkeypatch):
     cache = QuantizedPagedCache(key_bits=2, value_bits=4, sink_length=4, **SMALL)
     stepwise_logits(model, torch.randint(0, 128, (2, 70)), cache, 21)
     layer = cache.layers[0]
-    assert layer.q_lens == [48, 48] and layer.sinks == [4, 4] and layer.r_lens == [22, 22]
+    assert layer.paged_lens == [48, 48] and layer.sinks == [4, 4] and layer.window_lens == [22, 22]
     tail = (torch.randn(2, layer.num_heads, 3, layer.head_dim), torch.randn(2, layer.num_heads, 3, layer.head_dim))
     fast = layer._stored_layout(layer.seen)
     fast_tail = layer._stored_layout(layer.seen, tail=tail)  # a chunk's tokens appended in the same buffer
@@ -118,8 +118,8 @@ def test_residual_window_invariant_over_many_steps():
     stepwise_logits(model, torch.randint(0, 128, (1, 100)), cache, 5)
     layer = cache.layers[0]
     r, g = SMALL["residual_length"], SMALL["group_size"]
-    assert r <= layer.r_lens[0] < r + g and layer.q_lens[0] % g == 0
-    assert layer.q_lens[0] + layer.r_lens[0] == 100 == cache.get_seq_length()
+    assert r <= layer.window_lens[0] < r + g and layer.paged_lens[0] % g == 0
+    assert layer.paged_lens[0] + layer.window_lens[0] == 100 == cache.get_seq_length()
     del ids
 
 
@@ -156,7 +156,7 @@ def test_window_write_left_to_the_decode_op_gives_the_same_logits(monkeypatch, p
     a, la, seen_a = run(False)
     b, lb, seen_b = run(True)
     assert torch.equal(a, b)
-    assert torch.equal(la.res_k, lb.res_k) and torch.equal(la.res_v, lb.res_v) and la.r_lens == lb.r_lens
+    assert torch.equal(la.res_k, lb.res_k) and torch.equal(la.res_v, lb.res_v) and la.window_lens == lb.window_lens
     assert not any(seen_a)
     flushes = sum(1 for x in seen_b if not x)
     assert 0 < flushes < len(seen_b) // 4 and len(seen_b) == 80  # deferred everywhere but at the flushes
@@ -187,7 +187,7 @@ def test_beam_search_matches_dynamic_cache_at_8_bits():
     assert torch.equal(out, ref)
     layer = cache.layers[0]
     # beams share pages: fewer pages in use than 3 private copies would need
-    private = sum(-(-q // SMALL["page_size"]) for q in layer.q_lens)
+    private = sum(-(-q // SMALL["page_size"]) for q in layer.paged_lens)
     assert layer.pool.pages_in_use <= private
 
 
@@ -312,7 +312,7 @@ def test_flush_fast_path_matches_the_per_sequence_loop(monkeypatch, shared):
         return layer
 
     a, b = run(True), run(False)
-    assert a.tables == b.tables and a.q_lens == b.q_lens and a.pool.free == b.pool.free
+    assert a.tables == b.tables and a.paged_lens == b.paged_lens and a.pool.free == b.pool.free
     assert a.pool.refcount == b.pool.refcount
     for x, y in zip(a.pool.args(), b.pool.args(), strict=True):
         assert torch.equal(x, y)
@@ -344,24 +344,25 @@ def test_device_state_kept_through_decode_flushes_equals_a_fresh_upload(shared):
         w0 = len(layer.tables[0])
         assert cached[0].shape[1] == 1 << (w0 - 1).bit_length() and (cached[0][:, w0:] == -1).all()
         one = torch.randn(layer.batch_size, 2, 1, 32)
-        q0, n_up = layer.q_lens[0], len(uploads)
+        q0, n_up = layer.paged_lens[0], len(uploads)
         cache.update(one, -one, 0)
         layer.commit(layer.pending)
-        kept += layer._dev is not None and layer._dev[0] is not None and layer._dev is not cached
+        dev = layer._device_tables
+        kept += dev is not None and dev[0] is not None and dev is not cached
         w1 = len(layer.tables[0])
-        if layer.q_lens[0] != q0 and w1 == w0 and not shared:  # a flush into the last column's pages: no upload
+        if layer.paged_lens[0] != q0 and w1 == w0 and not shared:  # a flush into the last column's pages: no upload
             same_flushes += 1
             assert len(uploads) == n_up
         appends += w1 > w0
         crossings += (w0 - 1).bit_length() != (w1 - 1).bit_length()
-        replaced += layer._dev is not None and layer._dev[0] is not cached[0]
-        assert shared or layer._dev[1] is cached[1]  # the quantized lengths grow in place (the runner keeps them)
+        replaced += layer._device_tables is not None and layer._device_tables[0] is not cached[0]
+        assert shared or layer._device_tables[1] is cached[1]  # the paged lengths grow in place (the runner keeps them)
         now = layer._device_state()
-        layer._dev = None
+        layer._device_tables = None
         fresh = layer._device_state()
         for x, y in zip(now, fresh, strict=True):
             assert x.dtype == y.dtype and torch.equal(x, y)
-        layer._dev = now  # continue from the kept state
+        layer._device_tables = now  # continue from the kept state
     # every step kept (and updated) the device state, except a flush that copied a shared page (tables changed)
     assert kept == steps if not shared else 0.9 * steps <= kept < steps
     if not shared:  # new columns mostly written in place
@@ -446,7 +447,7 @@ def test_crop_zero_removes_nothing():
     cache = QuantizedPagedCache(key_bits=8, value_bits=8, **SMALL)
     stepwise_logits(model, torch.randint(0, 128, (1, 50)), cache, 40)
     cache.crop(0)
-    assert cache.get_seq_length() == 50 and cache.layers[0].q_lens[0] + cache.layers[0].r_lens[0] == 50
+    assert cache.get_seq_length() == 50 and cache.layers[0].paged_lens[0] + cache.layers[0].window_lens[0] == 50
 
 
 def test_crop_within_residual_equals_never_having_seen_the_tokens():
@@ -458,7 +459,7 @@ def test_crop_within_residual_equals_never_having_seen_the_tokens():
     stepwise_logits(model, ids[:, :75], b, 40)  # 48 quantized + 27
     a.crop(-3)
     assert a.get_seq_length() == b.get_seq_length() == 75
-    assert a.layers[0].q_lens == b.layers[0].q_lens == [48]
+    assert a.layers[0].paged_lens == b.layers[0].paged_lens == [48]
     nxt = ids[:, 75:76]
     with torch.no_grad():
         la = model(nxt, **cache_kwargs(model, a)).logits
@@ -475,7 +476,7 @@ def test_crop_into_pages_releases_them_and_keeps_working():
     used = layer.pool.pages_in_use
     cache.crop(-70)
     assert cache.get_seq_length() == 60
-    assert layer.q_lens[0] + layer.r_lens[0] == 60 and layer.q_lens[0] % 16 == 0
+    assert layer.paged_lens[0] + layer.window_lens[0] == 60 and layer.paged_lens[0] % 16 == 0
     assert layer.pool.pages_in_use < used
     cache.crop(50)  # legacy form: keep the first 50
     assert cache.get_seq_length() == 50
@@ -512,11 +513,11 @@ def test_pages_are_reused_and_pool_does_not_grow_past_live_tokens():
     cap = layer.pool.capacity
     cache.batch_select_indices(torch.tensor([1]))  # three sequences leave: their pages go back to the pool
     freed = len(layer.pool.free)
-    assert freed >= 3 * (layer.q_lens[0] // SMALL["page_size"])
+    assert freed >= 3 * (layer.paged_lens[0] // SMALL["page_size"])
     cache.reset()
     assert layer.pool.pages_in_use == 0
     stepwise_logits(model, ids, cache, 100)  # 4 x 300 tokens: needs more than before, reuses first
-    need = 4 * -(-layer.q_lens[0] // SMALL["page_size"])
+    need = 4 * -(-layer.paged_lens[0] // SMALL["page_size"])
     assert layer.pool.pages_in_use == need
     assert layer.pool.capacity <= max(cap, 2 * need)
 
@@ -561,7 +562,7 @@ def test_pool_grows_by_what_a_step_needs_not_by_doubling():
     with torch.no_grad():
         model(ids[:, :300], **cache_kwargs(model, cache))
     pool = cache.layers[0].pool
-    assert pool.capacity == pool.pages_in_use == 5 * -(-cache.layers[0].q_lens[0] // SMALL["page_size"])
+    assert pool.capacity == pool.pages_in_use == 5 * -(-cache.layers[0].paged_lens[0] // SMALL["page_size"])
     stepwise_logits(model, ids[:, 300:], cache, 1)  # decode steps: growth by at least 1/8 (or 16 pages)
     assert pool.pages_in_use <= pool.capacity <= pool.pages_in_use + max(16, pool.pages_in_use // 8 + 5)
 
@@ -572,7 +573,7 @@ def test_memory_report_counts_bytes_exactly():
     stepwise_logits(model, torch.randint(0, 128, (2, 100)), cache, 40)
     rep = cache.memory_report()
     layer = cache.layers[0]
-    q, r = sum(layer.q_lens), sum(layer.r_lens)
+    q, r = sum(layer.paged_lens), sum(layer.window_lens)
     h, d, g = 4, 32, 16
     assert rep.quantized_tokens == 2 * q and rep.residual_tokens == 2 * r
     assert rep.codes == 2 * q * h * d * (2 + 4) // 8
@@ -650,7 +651,7 @@ def test_attention_sinks_stay_in_full_precision(prefill):
     stepwise_logits(model, ids, cache, prefill)
     layer = cache.layers[0]
     k_ref, v_ref = dyn.layers[0].keys, dyn.layers[0].values
-    s, q, r = layer.sinks[0], layer.q_lens[0], layer.r_lens[0]
+    s, q, r = layer.sinks[0], layer.paged_lens[0], layer.window_lens[0]
     assert s == 4 and q % 16 == 0 and 16 <= r - s < 32 and s + q + (r - s) == 90
     assert torch.equal(layer.res_k[0, :, :4], k_ref[0, :, :4])  # sinks: exact
     assert torch.equal(layer.res_v[0, :, :4], v_ref[0, :, :4])
@@ -692,8 +693,8 @@ def test_crop_with_sinks(remove):
     layer = cache.layers[0]
     n = 90 - remove
     assert cache.get_seq_length() == n
-    assert layer.q_lens[0] + layer.r_lens[0] == n and layer.sinks[0] == min(4, n)
-    assert layer.pool.pages_in_use == -(-layer.q_lens[0] // SMALL["page_size"])
+    assert layer.paged_lens[0] + layer.window_lens[0] == n and layer.sinks[0] == min(4, n)
+    assert layer.pool.pages_in_use == -(-layer.paged_lens[0] // SMALL["page_size"])
     stepwise_logits(model, torch.randint(0, 128, (1, 20)), cache, 1)  # keeps working
     assert cache.get_seq_length() == n + 20
 
@@ -704,7 +705,7 @@ def test_window_holds_whole_groups_beyond_r(prefill, sink):
     """After any prefill and any decode step, a sequence longer than R keeps R..R+G-1 full-precision tokens after
     its sinks and stores whole key groups before them: q = (n - s - R) // G * G exactly (one group flushed early or
     late changes the logits only by quantization noise, which the token tests do not see)."""
-    g, r_len = SMALL["group_size"], SMALL["residual_length"]
+    g, window_len = SMALL["group_size"], SMALL["residual_length"]
     cache = QuantizedPagedCache(key_bits=4, value_bits=4, sink_length=sink, **SMALL)
     for n in range(prefill, prefill + 2 * g + 1):
         k = torch.randn(1, 2, n - cache.get_seq_length(), 32)
@@ -713,8 +714,8 @@ def test_window_holds_whole_groups_beyond_r(prefill, sink):
         layer.commit(layer.pending)
         s = min(sink, n)
         assert layer.sinks == [s]
-        assert layer.q_lens == [max(0, n - s - r_len) // g * g], n
-        assert layer.q_lens[0] + layer.r_lens[0] == n
+        assert layer.paged_lens == [max(0, n - s - window_len) // g * g], n
+        assert layer.paged_lens[0] + layer.window_lens[0] == n
 
 
 @pytest.mark.parametrize("remove", range(19, 28))
@@ -727,12 +728,12 @@ def test_crop_with_sinks_across_the_window_edge(remove):
     cache.update(k, k, 0)
     layer = cache.layers[0]
     layer.commit(layer.pending)
-    assert (layer.q_lens[0], layer.r_lens[0], layer.sinks[0]) == (64, 26, 4)
+    assert (layer.paged_lens[0], layer.window_lens[0], layer.sinks[0]) == (64, 26, 4)
     before, _ = layer._stored_layout(90)
     cache.crop(-remove)
     n = 90 - remove
-    assert layer.sinks == [4] and layer.r_lens[0] >= 4
-    assert layer.q_lens == [(n - 4) // g * g] and layer.q_lens[0] + layer.r_lens[0] == n
+    assert layer.sinks == [4] and layer.window_lens[0] >= 4
+    assert layer.paged_lens == [(n - 4) // g * g] and layer.paged_lens[0] + layer.window_lens[0] == n
     after, _ = layer._stored_layout(n)
     assert torch.equal(after, before[:, :, :n])
 
@@ -746,7 +747,7 @@ def test_flush_into_a_shared_page_copies_it_first():
     cache.update(k, k, 0)
     layer = cache.layers[0]
     layer.commit(layer.pending)
-    assert layer.q_lens == [g]  # one group in the first half of page 0
+    assert layer.paged_lens == [g]  # one group in the first half of page 0
     first, _ = layer._stored_layout(40)
     cache.batch_repeat_interleave(2)
     assert layer.pool.pages_in_use == 1
@@ -754,7 +755,7 @@ def test_flush_into_a_shared_page_copies_it_first():
         x = torch.randn(2, 2, 1, 32)
         cache.update(x, x, 0)
         layer.commit(layer.pending)
-    assert layer.q_lens == [2 * g, 2 * g] and layer.pool.pages_in_use == 2
+    assert layer.paged_lens == [2 * g, 2 * g] and layer.pool.pages_in_use == 2
     got, _ = layer._stored_layout(48)
     for row in range(2):
         assert torch.equal(got[row, :, :g], first[0, :, :g])
@@ -771,7 +772,7 @@ def test_batch_repeat_interleave_of_a_batch_repeats_each_row_in_place():
     before = layer.keys.clone()
     cache.batch_repeat_interleave(2)
     assert torch.equal(layer.keys, before.repeat_interleave(2, dim=0))
-    assert cache.layers[0].q_lens == [16] * 4
+    assert cache.layers[0].paged_lens == [16] * 4
 
 
 def test_each_layer_keeps_its_pages_on_its_own_device():
@@ -784,7 +785,7 @@ def test_each_layer_keeps_its_pages_on_its_own_device():
         layer = cache.layers[layer_idx]
         layer.commit(layer.pending)  # store: quantize and write 48 tokens per sequence into pages
     for layer, device in zip(cache.layers, ("cpu", "meta", "cpu"), strict=True):
-        assert layer.q_lens == [48, 48]
+        assert layer.paged_lens == [48, 48]
         assert all(t.device.type == device for t in layer.pool.tensors.values())
         assert layer.res_k.device.type == device
         assert all(t.device.type == device for t in layer._device_state())

@@ -25,8 +25,8 @@ def _state(cache):
     """Everything a layer's bookkeeping holds, and its stored history in full precision."""
     out = []
     for layer in cache.layers:
-        out.append((layer.seen, [list(t) for t in layer.tables], layer.q_lens[:], layer.r_lens[:], layer.sinks[:],
-                    layer.pads[:], layer.hidden[:], list(layer.pool.refcount), sorted(layer.pool.free),
+        out.append((layer.seen, [list(t) for t in layer.tables], layer.paged_lens[:], layer.window_lens[:],
+                    layer.sinks[:], layer.pads[:], layer.hidden[:], list(layer.pool.refcount), sorted(layer.pool.free),
                     layer.keys.clone(), layer.values.clone()))
     return out
 
@@ -206,7 +206,7 @@ def test_a_forward_with_autograd_stores_no_graph():
     logits = model(ids, **cache_kwargs(model, cache)).logits
     logits.sum().backward()  # the prompt's attention keeps its graph
     layer = cache.layers[0]
-    assert layer.q_lens[0] > 0
+    assert layer.paged_lens[0] > 0
     assert not any(t.requires_grad for t in (*layer.pool.args(), layer.res_k, layer.res_v))
     assert layer.keys.shape[2] == 200 and not layer.keys.requires_grad
     for t in range(3):  # decode steps with grad on: the window write and the flushes
@@ -254,12 +254,12 @@ def test_static_reset_keeps_the_tensors_a_compiled_step_captured():
     cache = StaticQuantizedPagedCache(model, 96, **STATIC_CFG)
     _generate(model, ids, cache)
     layer = cache.layers[0]
-    captured = [layer.res_k, layer.res_v, layer.block_table, layer.q_len, layer.r_len, layer.sink_len, layer.seen_t,
-                *layer.pool.args()]
+    captured = [layer.res_k, layer.res_v, layer.block_table, layer.paged_len, layer.window_len, layer.sink_len,
+                layer.seen_t, *layer.pool.args()]
     cache.reset()
     assert not layer.static and cache.get_seq_length() == 0
     _generate(model, ids, cache)
-    now = [layer.res_k, layer.res_v, layer.block_table, layer.q_len, layer.r_len, layer.sink_len, layer.seen_t,
+    now = [layer.res_k, layer.res_v, layer.block_table, layer.paged_len, layer.window_len, layer.sink_len, layer.seen_t,
            *layer.pool.args()]
     assert all(a is b for a, b in zip(captured, now, strict=True))
 

@@ -112,7 +112,7 @@ def test_encoder_decoder_caches(name):
     assert torch.equal(out, ref)
     cache = EncoderDecoderCache(QuantizedPagedCache(**PAGED), DynamicCache())
     out = _generate_ed(model, inputs, cache)
-    assert all(q > 0 for layer in cache.self_attention_cache.layers for q in layer.q_lens)  # pages in use
+    assert all(q > 0 for layer in cache.self_attention_cache.layers for q in layer.paged_lens)  # pages in use
     assert torch.equal(out[:, :8], ref[:, :8])
     # a quantized cross-attention cache too: the models read its layers' keys/values after the first step (None
     # there is an AttributeError); they are the dequantized encoder states
@@ -192,7 +192,7 @@ def test_layer_keys_and_values_are_the_dequantized_history():
         for cache in caches:
             model(ids, attention_mask=mask, **cache_kwargs(model, cache))
     ref, got = caches
-    assert got.layers[0].q_lens == [16, 16]  # pages in use
+    assert got.layers[0].paged_lens == [16, 16]  # pages in use
     assert len(list(got)) == len(list(ref)) == 2
     for (rk, rv, _), (k, v, sliding) in zip(ref, got, strict=True):
         assert sliding is None and k.shape == rk.shape and v.shape == rv.shape
@@ -283,7 +283,7 @@ def test_fallback_layers_do_not_store_pads():
     assert all(layer.pads == [0, 7] for layer in cache.layers)
     alone = QuantizedPagedCache(**PAGED)
     _, alone_logits = _generate(model, ids[1:, 7:], None, alone)
-    assert cache.layers[0].q_lens[1] == alone.layers[0].q_lens[0] > 0
+    assert cache.layers[0].paged_lens[1] == alone.layers[0].paged_lens[0] > 0
     torch.testing.assert_close(logits[1], alone_logits[0], rtol=1e-4, atol=1e-4)
 
 
@@ -363,7 +363,7 @@ def test_sliding_window_models_are_served_from_the_pages(monkeypatch, family):
     windows = [layer.sliding_window for layer in served.layers]
     assert 24 in windows and all(w in (None, 24) for w in windows), windows
     assert all((layer.cfg.sink_length == 0) == (layer.sliding_window is not None) for layer in served.layers)
-    assert all(sum(layer.q_lens) > 0 for layer in served.layers)  # the pages are read
+    assert all(sum(layer.paged_lens) > 0 for layer in served.layers)  # the pages are read
     err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
     assert err < 2e-2, err
     # the same storage (no sinks anywhere), attention through the fallback: the same logits
@@ -500,7 +500,7 @@ def test_sliding_window_layers_release_the_pages_no_query_sees(monkeypatch):
     bound = 2 * (-(-(24 + 8 + 16) // p) + 1) + 1
     assert sliding.pool.pages_in_use <= bound < full.pool.pages_in_use
     assert sliding.pool.capacity < full.pool.capacity  # the prompt's hidden part was never written
-    assert full.pool.zero is None and all(len(t) == full.q_lens[i] // p for i, t in enumerate(full.tables))
+    assert full.pool.zero is None and all(len(t) == full.paged_lens[i] // p for i, t in enumerate(full.tables))
     report = cache.memory_report()
     assert report is not None
     monkeypatch.setattr(hook, "_pattern", lambda module, kwargs: (False, None))
@@ -532,12 +532,12 @@ def test_crop_refuses_to_bring_released_tokens_back(monkeypatch):
     seq, _ = _generate(model, ids, None, cache, n=4)
     layer = cache.layers[0]
     assert layer.hidden[0] > 0
-    limit = layer.q_lens[0] + layer.r_lens[0] + 1 - layer.hidden[0] * SLIDING_PAGED["page_size"] - 24
+    limit = layer.paged_lens[0] + layer.window_lens[0] + 1 - layer.hidden[0] * SLIDING_PAGED["page_size"] - 24
     assert limit > 0
-    before = (list(layer.tables[0]), layer.q_lens[:], layer.r_lens[:], layer.seen)
+    before = (list(layer.tables[0]), layer.paged_lens[:], layer.window_lens[:], layer.seen)
     with pytest.raises(ValueError, match=f"crop by at most {limit} tokens"):
         cache.crop(-(limit + 1))
-    assert (layer.tables[0], layer.q_lens, layer.r_lens, layer.seen) == before
+    assert (layer.tables[0], layer.paged_lens, layer.window_lens, layer.seen) == before
     cache.crop(-limit)
     assert layer.seen == before[3] - limit
     nxt = seq[:, layer.seen:layer.seen + 1]
@@ -697,7 +697,7 @@ def test_learned_attention_sinks_are_served(monkeypatch):
     assert torch.equal(seq, ref_seq)
     cache = QuantizedPagedCache(**SLIDING_PAGED)
     _, logits8 = _generate(model, ids, mask, cache, n=24)
-    assert calls == [] and all(sum(layer.q_lens) > 0 for layer in cache.layers)
+    assert calls == [] and all(sum(layer.paged_lens) > 0 for layer in cache.layers)
     assert [layer.sliding_window for layer in cache.layers] == [24, None]
     err = ((logits8 - ref_logits).norm() / ref_logits.norm()).item()
     assert err < 2e-2, err

@@ -23,11 +23,11 @@ new prompt and batch size follow), every bad argument, and failures injected par
 
 After every step, per layer: ``get_seq_length`` and the batch size equal DynamicCache's; the materialized
 ``keys``/``values`` agree (a sliding-window layer's released tokens are zeros in ours and are not compared, and no
-released token may be visible to the next query); the bookkeeping is consistent (``seen == pads + q_lens + r_lens``,
-whole groups in the pages, one table entry per started page, released entries point at the zero page); the pool
-audits clean: every page's reference count equals the number of block-table entries naming it (the zero page holds
-its huge count), a page is in the free list iff its count is 0, no page is free twice, and ``pages_in_use`` (also in
-``memory_stats``) is the pages referenced plus the zero page once allocated.
+released token may be visible to the next query); the bookkeeping is consistent (``seen == pads + paged_lens +
+window_lens``, whole groups in the pages, one table entry per started page, released entries point at the zero page);
+the pool audits clean: every page's reference count equals the number of block-table entries naming it (the zero page
+holds its huge count), a page is in the free list iff its count is 0, no page is free twice, and ``pages_in_use``
+(also in ``memory_stats``) is the pages referenced plus the zero page once allocated.
 
 Refusals: where DynamicCache refuses an argument (an out-of-range, negative, float or 2-D index, a bool mask of
 another length, a float crop, a wrong repeat count) ours must raise ValueError, IndexError or TypeError, and so must it
@@ -129,14 +129,14 @@ def _snapshot(cache) -> list:
             continue
         # keys first: a static layer's host lists follow its device state on that read
         snap = dict(keys=layer.keys.clone(), values=layer.values.clone())
-        snap.update(batch_size=layer.batch_size, tables=[list(t) for t in layer.tables], q_lens=list(layer.q_lens),
-                    r_lens=list(layer.r_lens), sinks=list(layer.sinks), pads=list(layer.pads),
-                    hidden=list(layer.hidden), seen=int(layer.get_seq_length()), pending=layer.pending is not None,
-                    sliding_window=layer.sliding_window)
+        snap.update(batch_size=layer.batch_size, tables=[list(t) for t in layer.tables],
+                    paged_lens=list(layer.paged_lens), window_lens=list(layer.window_lens), sinks=list(layer.sinks),
+                    pads=list(layer.pads), hidden=list(layer.hidden), seen=int(layer.get_seq_length()),
+                    pending=layer.pending is not None, sliding_window=layer.sliding_window)
         if getattr(layer, "static", False):  # the static decode state (device tensors)
             snap.update(static=True, decoding=layer.decoding,
-                        device_state=[t.tolist() for t in (layer.block_table, layer.q_len, layer.r_len, layer.sink_len,
-                                                           layer.seen_t)])
+                        device_state=[t.tolist() for t in (layer.block_table, layer.paged_len, layer.window_len,
+                                                           layer.sink_len, layer.seen_t)])
         pool = layer.pool
         snap["pool"] = (pool.capacity, list(pool.refcount), sorted(pool.free), pool.zero)
         out.append(snap)
@@ -207,14 +207,15 @@ def _check_bookkeeping(i: int, layer) -> None:
     cfg = layer.cfg
     g, p, b = cfg.group_size, cfg.page_size, layer.batch_size
     zero = layer.pool.zero
-    lists = dict(tables=layer.tables, q_lens=layer.q_lens, r_lens=layer.r_lens, sinks=layer.sinks, pads=layer.pads,
-                 hidden=layer.hidden)
+    lists = dict(tables=layer.tables, paged_lens=layer.paged_lens, window_lens=layer.window_lens, sinks=layer.sinks,
+                 pads=layer.pads, hidden=layer.hidden)
     assert all(len(v) == b for v in lists.values()) and layer.res_k.shape[0] == b, (
         f"layer {i}: batch size {b} but {[(k, len(v)) for k, v in lists.items()]}, window rows {layer.res_k.shape[0]}")
     for s in range(b):
-        q, r, sinks, h, table = layer.q_lens[s], layer.r_lens[s], layer.sinks[s], layer.hidden[s], layer.tables[s]
+        q, r, sinks, h = layer.paged_lens[s], layer.window_lens[s], layer.sinks[s], layer.hidden[s]
+        table = layer.tables[s]
         where = f"layer {i} sequence {s} (q {q}, r {r}, sinks {sinks}, hidden {h}, seen {seen}, table {table})"
-        assert seen == layer.pads[s] + q + r, f"{where}: seen != pads + q_lens + r_lens"
+        assert seen == layer.pads[s] + q + r, f"{where}: seen != pads + paged_lens + window_lens"
         assert q % g == 0 and 0 <= sinks <= min(r, cfg.sink_length), f"{where}: partial group or sinks"
         assert r <= layer.res_k.shape[2], f"{where}: window overflow"
         if not static:
@@ -232,8 +233,8 @@ def _released_mask(layer, length: int) -> torch.Tensor:
     mask = torch.zeros(layer.batch_size, 1, length, 1, dtype=torch.bool)
     p = layer.cfg.page_size
     for s in range(layer.batch_size):
-        start = length - layer.q_lens[s] - layer.r_lens[s] + layer.sinks[s]
-        mask[s, :, start:start + min(layer.q_lens[s], layer.hidden[s] * p)] = True
+        start = length - layer.paged_lens[s] - layer.window_lens[s] + layer.sinks[s]
+        mask[s, :, start:start + min(layer.paged_lens[s], layer.hidden[s] * p)] = True
     return mask
 
 
@@ -500,7 +501,7 @@ class _Lockstep(RuleBasedStateMachine):
             if not layer.is_initialized:
                 continue
             if self.SETTING == "exact":
-                assert not any(layer.q_lens), f"layer {i}: tokens quantized in the exact setting"
+                assert not any(layer.paged_lens), f"layer {i}: tokens quantized in the exact setting"
             if ref is None or ref.keys is None:
                 assert ref_len == 0
                 continue
@@ -556,7 +557,7 @@ class CacheMachine(_Lockstep):
                 continue
             p, w = layer.cfg.page_size, layer.sliding_window
             zero = layer.pool.zero
-            for table, q, r in zip(layer.tables, layer.q_lens, layer.r_lens, strict=True):
+            for table, q, r in zip(layer.tables, layer.paged_lens, layer.window_lens, strict=True):
                 released = sum(1 for e in table if e == zero) * p
                 kept = q + r - min(remove, q + r)
                 if released and released > kept + 1 - w:
@@ -569,7 +570,7 @@ class CacheMachine(_Lockstep):
             if not layer.is_initialized:
                 continue
             g = layer.cfg.group_size
-            for q, r, s in zip(layer.q_lens, layer.r_lens, layer.sinks, strict=True):
+            for q, r, s in zip(layer.paged_lens, layer.window_lens, layer.sinks, strict=True):
                 keep_q = q + r - s - min(remove, q + r)
                 if 0 < keep_q < q and keep_q % g:
                     return True
@@ -582,7 +583,7 @@ class CacheMachine(_Lockstep):
             if not layer.is_initialized or layer.sliding_window is None:
                 continue
             p, w, zero = layer.cfg.page_size, layer.sliding_window, layer.pool.zero
-            for table, q, r in zip(layer.tables, layer.q_lens, layer.r_lens, strict=True):
+            for table, q, r in zip(layer.tables, layer.paged_lens, layer.window_lens, strict=True):
                 released = sum(1 for e in table if e == zero) * p
                 if released:
                     here = q + r + 1 - released - w
@@ -695,8 +696,8 @@ class CacheMachine(_Lockstep):
         self._crop(-back, min(back, self.seen))
         layer = self.ours.layers[0]
         if self.SETTING != "exact" and layer.is_initialized:
-            flushed = list(layer.q_lens)
-            while self.seen < MAX_LEN and layer.q_lens == flushed:
+            flushed = list(layer.paged_lens)
+            while self.seen < MAX_LEN and layer.paged_lens == flushed:
                 self._step(1)
         self.decode(steps)
 

@@ -58,7 +58,7 @@ def test_static_step_on_the_kernels_matches_the_reference():
     ids = torch.randint(0, 100, (2, 60), generator=torch.Generator().manual_seed(4))
 
     def check(cache):  # 99 tokens: flushes at 66 and 98 (2 sinks + R + G)
-        assert cache.layers[0].q_len.tolist() == [64, 64]
+        assert cache.layers[0].paged_len.tolist() == [64, 64]
 
     _static_on_both_backends(tiny_llama_d64(), ids, cfg, 40, check)
 
@@ -92,7 +92,7 @@ def test_static_pool_holds_exactly_the_pages_of_max_cache_len_and_refuses_more_t
     assert torch.equal(_generate(model, ids, cache, n=n), _generate(model, ids, QuantizedPagedCache(**CFG), n=n))
     for layer in cache.layers:
         assert layer.block_table.shape == (2, per_seq) and layer.pool.capacity == 2 * per_seq
-        assert layer.q_len.tolist() == [48, 48]  # the last page filled: the sizing is tight
+        assert layer.paged_len.tolist() == [48, 48]  # the last page filled: the sizing is tight
     cache = StaticQuantizedPagedCache(model, max_len, **CFG)
     with pytest.raises(ValueError, match="max_cache_len"):  # eager: checked on the host before the step writes
         _generate(model, ids, cache, n=n + 2)
@@ -111,7 +111,7 @@ def test_decode_step_has_no_graph_breaks_and_compiles_to_the_same_logits():
     eager, _ = _decode_logits(model, ids, model.forward, 20)
     compiled, cache = _decode_logits(model, ids, torch.compile(model.forward, backend="aot_eager", fullgraph=True), 20)
     assert torch.equal(eager, compiled)  # 20 steps include a flush of a group into the pages
-    assert int(cache.layers[0].q_len.max()) > 0
+    assert int(cache.layers[0].paged_len.max()) > 0
 
 
 def test_a_compiled_step_past_max_cache_len_fails():
@@ -299,7 +299,7 @@ def test_compiled_generate_with_a_chunked_prompt_matches_eager():
     out, backend = _compiled_generate(model, ids, cache, n=20, chunk=16)
     assert torch.equal(eager, ref) and torch.equal(out, ref)
     assert backend.graphs_from("kivi_cache/static.py") >= 1  # the decode step was compiled, our static update in it
-    assert int(cache.layers[0].q_len.max()) > 0 and cache.layers[0].decoding
+    assert int(cache.layers[0].paged_len.max()) > 0 and cache.layers[0].decoding
 
 
 def test_compiled_chunked_prompt_keeps_dynamo_out_of_the_bookkeeping():
@@ -358,7 +358,8 @@ def test_prefill_equals_generate_storing_the_prompt_itself(chunk):
     prefill(model, paged, ids, attention_mask=mask, chunk_size=chunk)
     layer = paged.layers[0]
     assert layer.pads == [0, 9, 33]
-    assert all(p + q + r == layer.seen == 69 for p, q, r in zip(layer.pads, layer.q_lens, layer.r_lens, strict=True))
+    assert all(p + q + r == layer.seen == 69
+               for p, q, r in zip(layer.pads, layer.paged_lens, layer.window_lens, strict=True))
 
 
 def test_prefill_then_generate_matches_the_dynamic_cache_and_compiles_no_prompt_chunk():
@@ -545,7 +546,7 @@ def test_static_ring_on_the_kernels_matches_the_reference():
 
     def check(cache):
         assert [layer.ring for layer in cache.layers] == [1, 1]
-        assert cache.layers[0].q_len.tolist() == [48, 48]  # 70 tokens: 3 flushes of 16, the third into page 1
+        assert cache.layers[0].paged_len.tolist() == [48, 48]  # 70 tokens: 3 flushes of 16, the third into page 1
 
     # head_dim 64: one the kernels take
     _static_on_both_backends(_mistral(window=40, head_dim=64), ids, dict(CFG, sink_length=0), 40, check)
