@@ -8,7 +8,7 @@ caches over ``--rounds`` rounds (the first timed configuration of a process runs
 * ``quanto_int4``: transformers ``QuantizedCache(backend="quanto", nbits=4)`` (needs optimum-quanto; its unpack op
   routed to pure PyTorch as in ``eval/bench_generate.py``; ``skipped`` with the reason otherwise);
 * ``kivi_int4`` / ``kivi_int2``: ``Int4PagedCache`` / ``Int2PagedCache`` on the default backend, i.e. on the CPU
-  the chunked torch path (:mod:`kivi_cache.chunked`);
+  the chunked torch path (:mod:`kivi_cache.torch_ops`);
 * ``kivi_int4_reference``: ``Int4PagedCache`` with ``set_backend("torch")``: the reference, which dequantizes the
   whole history every step (what the CPU path was before session 33).
 

@@ -3,7 +3,7 @@
 On import, kivi_cache wraps transformers' ``"sdpa"`` attention function and
 registers a named implementation ``"kivi"`` (with the sdpa mask function).
 The wrapper is a pass-through unless the keys it receives came from a
-``QuantizedPagedCache`` (a :class:`~kivi_cache.lazy.KVHandle`); then it
+``QuantizedPagedCache`` (a :class:`~kivi_cache.handles.KVHandle`); then it
 computes attention from the pages and the residual window. A sliding window,
 whether the module holds it (Gemma, Qwen2) or passes it to the attention
 function (Mistral, Phi3, Starcoder2), is served too: the layer keeps no
@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from . import reference, static
-from .lazy import KVHandle
+from .handles import KVHandle
 
 NAME = "kivi"
 _original_sdpa = None

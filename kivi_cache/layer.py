@@ -38,7 +38,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import checks, ops
 from .batch import as_int, batch_index, repeat_index
 from .config import QuantConfig
-from .lazy import KVHandle, PendingStep
+from .handles import KVHandle, PendingStep
 from .masks import MaskReader, chunk_visibility, query_len
 from .mirror import DeviceMirror, all_equal
 from .pool import PagePool

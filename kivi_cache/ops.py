@@ -2,7 +2,7 @@
 
 Backend choice (``set_backend``): ``"auto"`` (default) uses the kernels for CUDA tensors when Triton is importable
 and they cover the configuration (:func:`kivi_cache.kernels.checks.kernel_limits`: head_dim, bits, group and page
-size), and the torch path otherwise: :mod:`kivi_cache.chunked`, which attends a chunk of pages at a time and never
+size), and the torch path otherwise: :mod:`kivi_cache.torch_ops`, which attends a chunk of pages at a time and never
 builds the dequantized history (the other operations are the reference's). On a CUDA tensor the torch path warns
 once per reason, so a GPU run is never silently slow. ``"torch"`` forces the reference (:mod:`kivi_cache.reference`,
 the oracle: it dequantizes the whole history on each call), ``"triton"`` forces the kernels (also on CPU under
@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import chunked, reference
+from . import reference, torch_ops
 from .kernels import checks
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -81,7 +81,7 @@ def _limit(op: str, pool, key_bits: int, value_bits: int, group_size: int) -> st
 
 
 def _impl(device_type: str, op: str = "", pool=None, key_bits: int = 0, value_bits: int = 0, group_size: int = 0):
-    """The module that runs ``op`` here: the kernels, :mod:`.chunked` or :mod:`.reference` (see the module's
+    """The module that runs ``op`` here: the kernels, :mod:`.torch_ops` or :mod:`.reference` (see the module's
     docstring). With ``pool`` and the bits, a configuration the kernels do not cover goes to the torch path under
     ``"auto"`` (with a warning on a GPU); ``"triton"`` then raises the kernels' ValueError when called."""
     if _backend == "torch":
@@ -96,16 +96,16 @@ def _impl(device_type: str, op: str = "", pool=None, key_bits: int = 0, value_bi
                                f"tensors (set_backend('auto') uses the torch path there, 'torch' the reference)")
         return mod
     if device_type != "cuda":
-        return chunked
+        return torch_ops
     mod = _load_kernels()
     if mod is None:
         _warn_once(f"Triton kernels unavailable ({_kernel_error})")
-        return chunked
+        return torch_ops
     if pool is not None:
         reason = _limit(op, pool, key_bits, value_bits, group_size)
         if reason is not None:
             _warn_once(f"the {op} kernel does not cover this configuration ({reason})")
-            return chunked
+            return torch_ops
     return mod
 
 
@@ -113,7 +113,7 @@ def _call(name: str, device, pool, bits: tuple, *args, **kwargs):
     """``name`` of the module :func:`_impl` picks, called with ``args`` (the op's positional arguments, ``pool``
     among them) on ``device``'s GPU."""
     mod = _impl(device.type, name, pool, *bits)
-    if mod is not reference and mod is not chunked and device.type == "cuda" and device.index not in (
+    if mod is not reference and mod is not torch_ops and device.type == "cuda" and device.index not in (
             None, torch.cuda.current_device()):
         # Triton launches on the current device: with a model spread over GPUs (device_map), a layer's
         # tensors may live on another one.
@@ -186,7 +186,7 @@ class DecodeRunner:
     """:func:`paged_decode_attention` over one fixed state (block table, lengths, page pool, window) called again and
     again with new queries (plan once, run many: the cache's decode steps). The backend is chosen once, as the op
     chooses it: the Triton kernels' :class:`~kivi_cache.kernels.decode.DecodeRunner` on a GPU (it launches the
-    compiled kernels directly after a first ordinary call), the torch path's :class:`~kivi_cache.chunked.DecodeRunner`
+    compiled kernels directly after a first ordinary call), the torch path's :class:`~kivi_cache.torch_ops.DecodeRunner`
     (the fixed tensors' shapes checked once, the block table's and lengths' values again after an in-place write to
     them), else the chosen backend's op at every call (the reference; the kernels off a GPU). Called while another GPU
     is current, it runs on the state's. ``own``: the caller builds the index tensors itself (the cache), so the torch
@@ -205,7 +205,7 @@ class DecodeRunner:
         mod = _impl(dev.type, "paged_decode_attention", pool, key_bits, value_bits, group_size)
         self.op = mod.paged_decode_attention  # the ordinary call: the reference, or the kernels off a GPU
         self.kernel = None
-        if mod is chunked or (mod is not reference and self.device is not None):
+        if mod is torch_ops or (mod is not reference and self.device is not None):
             self.kernel = mod.DecodeRunner(block_table, lengths, *pool, res_k, res_v, key_bits, value_bits,
                                            group_size, sliding_window=sliding_window)
 

@@ -1,5 +1,5 @@
 """Builders and checks shared by the kernels' tests (test_api, test_quantize, test_dequant, test_decode*, test_prefix,
-test_sinks; test_chunked and test_quant build their pools here too): random page pools, block tables and decode
+test_sinks; test_torch_ops and test_quant build their pools here too): random page pools, block tables and decode
 cases, the decode op against the torch reference (kivi_cache.reference) within TOL, and an independent fp64 oracle
 for sliding windows and sinks. Not a test module.
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import kivi_cache
-from kivi_cache import chunked, ops, reference
+from kivi_cache import ops, reference, torch_ops
 
 
 def test_kernels_load_here_and_kernel_error_is_none():
@@ -28,11 +28,11 @@ def broken_kernels(monkeypatch):
 def test_unloadable_kernels_warn_once_on_cuda_and_say_why(broken_kernels):
     assert "cannot import name 'kernels'" in kivi_cache.kernel_error()
     with pytest.warns(RuntimeWarning, match="Triton kernels unavailable .*cannot import name 'kernels'"):
-        assert ops._impl("cuda") is chunked
+        assert ops._impl("cuda") is torch_ops
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ops._impl("cuda") is chunked  # once
-        assert ops._impl("cpu") is chunked
+        assert ops._impl("cuda") is torch_ops  # once
+        assert ops._impl("cpu") is torch_ops
     kivi_cache.set_backend("torch")  # the oracle, forced
     assert ops._impl("cuda") is ops._impl("cpu") is reference
     kivi_cache.set_backend("triton")
@@ -60,9 +60,9 @@ def test_the_backend_is_chosen_up_front_by_what_the_kernels_cover(monkeypatch):
     monkeypatch.setattr(ops._kernels, "interpreting", lambda: False)  # as on a GPU: its tile limit applies
     assert ops._impl("cuda", "paged_decode_attention", _pool(128), 4, 4, 32) is ops._kernels
     with pytest.warns(RuntimeWarning, match="does not cover this configuration .*head_dim=96"):
-        assert ops._impl("cuda", "paged_decode_attention", _pool(96), 4, 4, 32) is chunked
+        assert ops._impl("cuda", "paged_decode_attention", _pool(96), 4, 4, 32) is torch_ops
     with pytest.warns(RuntimeWarning, match="page_size divisible by 32"):
-        assert ops._impl("cuda", "dequantize_pages", _pool(128, p=16, g=16), 4, 4, 16) is chunked
+        assert ops._impl("cuda", "dequantize_pages", _pool(128, p=16, g=16), 4, 4, 16) is torch_ops
     # the decode kernel's own limits: 8-token value groups are too narrow for its value sub-tiles
     assert checks.kernel_limits("dequantize_pages", 64, 4, 4, 8, 64) is None
     assert "sub-tiles" in checks.kernel_limits("paged_decode_attention", 64, 4, 4, 8, 64)

@@ -765,9 +765,9 @@ def test_eager_attention_over_a_quantized_history_warns_once(monkeypatch):
     but slow, so the first such decode step over quantized pages warns once per process, naming the fix."""
     import warnings
 
-    from kivi_cache import lazy
+    from kivi_cache import handles
 
-    monkeypatch.setattr(lazy, "_warned_slow", False)
+    monkeypatch.setattr(handles, "_warned_slow", False)
     torch.manual_seed(0)
     model = _gpt_oss(attn="eager")
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -778,7 +778,7 @@ def test_eager_attention_over_a_quantized_history_warns_once(monkeypatch):
     slow = [r for r in rec if "does not read the quantized pages" in str(r.message)]
     assert len(slow) == 1 and "attn_implementation='kivi'" in str(slow[0].message)
     model.set_attn_implementation("kivi")
-    monkeypatch.setattr(lazy, "_warned_slow", False)
+    monkeypatch.setattr(handles, "_warned_slow", False)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         _generate(model, ids, None, QuantizedPagedCache(**SLIDING_PAGED), n=4)

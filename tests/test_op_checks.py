@@ -408,7 +408,7 @@ def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
     (The kernels under the interpreter stand in for CUDA here.)"""
     import warnings
 
-    from kivi_cache import chunked, ops
+    from kivi_cache import ops, torch_ops
 
     monkeypatch.setattr(ops, "_impl", lambda device_type, *config: K)
     monkeypatch.setattr(ops, "_warned", set())
@@ -427,7 +427,7 @@ def test_auto_backend_reports_a_bad_argument_as_such(monkeypatch):
                                        group_size=G, sm_scale=0.125)
     assert not ops._warned
     args = (a["q"], a["block_table"], a["lengths"], *pl, a["res_k"], a["res_v"], a["res_lengths"], 4, 4, G, 0.125)
-    out = chunked.paged_decode_attention(*args)  # the torch path takes any strides
+    out = torch_ops.paged_decode_attention(*args)  # the torch path takes any strides
     ref = R.paged_decode_attention(*args)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3
 
@@ -499,15 +499,15 @@ BAD_SCALES = {"zero": 0.0, "negative": -1.0, "nan": float("nan"), "inf": float("
               "tensor_zero": torch.tensor(0.0, device="cpu")}
 
 
-@pytest.mark.parametrize("mod", [K, "chunked", R], ids=["kernels", "chunked", "reference"])
+@pytest.mark.parametrize("mod", [K, "torch_ops", R], ids=["kernels", "torch_ops", "reference"])
 @pytest.mark.parametrize("case", list(BAD_SCALES))
 def test_attention_refuses_an_sm_scale_not_finite_and_positive(mod, case):
     """sm_scale 0, negative, nan or inf (the kernels' output would be all NaN, the torch paths' finite garbage):
     refused by the decode op (before writing the step's token), the prefix op and the runners (after a good first
     run: the torch path's later runs skip the fixed tensors' checks)."""
-    from kivi_cache import chunked
+    from kivi_cache import torch_ops
 
-    mod = chunked if mod == "chunked" else mod
+    mod = torch_ops if mod == "torch_ops" else mod
     scale = BAD_SCALES[case]
     a = decode_args()
     head = (a["q"], a["block_table"], a["lengths"], *a["pool"], a["res_k"], a["res_v"], a["res_lengths"])
@@ -554,17 +554,17 @@ def test_torch_path_runner_checks_its_table_again_after_an_in_place_write(monkey
     one (the cache's flush advances the lengths with add_); the window lengths on every run. Unchecked, an invalid
     page id fails inside torch (IndexError), and a length past the table or a window length past the window's
     capacity reads the wrong tokens."""
-    from kivi_cache import chunked
+    from kivi_cache import torch_ops
 
     with torch.inference_mode(inference):
-        _runner_after_in_place_writes(monkeypatch, chunked)
+        _runner_after_in_place_writes(monkeypatch, torch_ops)
 
 
-def _runner_after_in_place_writes(monkeypatch, chunked):
+def _runner_after_in_place_writes(monkeypatch, torch_ops):
     a = decode_args()
     bt, ln, rl, q = a["block_table"], a["lengths"], a["res_lengths"], a["q"]
-    run = chunked.DecodeRunner(bt, ln, *a["pool"], a["res_k"], a["res_v"], 4, 4, G)
-    op = chunked.paged_decode_attention
+    run = torch_ops.DecodeRunner(bt, ln, *a["pool"], a["res_k"], a["res_v"], 4, 4, G)
+    op = torch_ops.paged_decode_attention
 
     def same_as_the_op():
         out = run.run(q, rl, 0.125)
@@ -572,7 +572,7 @@ def _runner_after_in_place_writes(monkeypatch, chunked):
 
     assert same_as_the_op()
     # every later run is the runner's own (no ordinary call, whose checks would see the values anyway)
-    monkeypatch.setattr(chunked, "paged_decode_attention", None)
+    monkeypatch.setattr(torch_ops, "paged_decode_attention", None)
     ln.add_(32)  # [128, 64]: inside the table
     assert same_as_the_op()
     bt[0, 1] = 7  # page 7 of a 4-page pool

@@ -2,7 +2,7 @@
 
 import torch
 
-from kivi_cache import chunked, ops, reference
+from kivi_cache import ops, reference, torch_ops
 from kivi_cache.kernels.checks import PoolTensors
 from kivi_cache.testing import decode_args, pool_of, random_pool
 
@@ -33,7 +33,7 @@ def test_decode_args_run_the_reference_and_the_ops():
     args = decode_args(pool, q, rk, rv, rl, 4, 4, 32, 0.125)
     ref = reference.paged_decode_attention(*args)
     assert ref.shape == q.shape and torch.isfinite(ref).all()
-    torch.testing.assert_close(chunked.paged_decode_attention(*args), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch_ops.paged_decode_attention(*args), ref, rtol=1e-4, atol=1e-4)
     out = ops.paged_decode_attention(q, pool["block_table"], pool["lengths"], pool_of(pool), res_k=rk, res_v=rv,
                                      res_lengths=rl, key_bits=4, value_bits=4, group_size=32, sm_scale=0.125)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""The torch path (kivi_cache.chunked: what runs where the Triton kernels do not, the CPU) against the reference.
+"""The torch path (kivi_cache.torch_ops: what runs where the Triton kernels do not, the CPU) against the reference.
 
 Fresh random pools, odd lengths (not multiples of the page or the group), empty sequences and windows, GQA ratios
 1-8, sliding windows, learned sinks, several chunks of pages, and poison (NaN) in every slot that holds no token: the
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import DEV, ON_GPU, make_block_table, make_pool
 
-from kivi_cache import chunked as F
 from kivi_cache import ops
 from kivi_cache import reference as R
+from kivi_cache import torch_ops as F
 
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 BITS = [(4, 4, 32), (2, 2, 32), (4, 2, 64), (2, 4, 32), (8, 8, 32)]
