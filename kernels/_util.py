@@ -58,19 +58,10 @@ def pow2_divisor(n: int) -> int:
 
 
 def block_tokens(page_size: int, group_size: int, cap: int) -> int:
-    """Tokens per kernel iteration: a power of two that divides the page and is a multiple of G.
-
-    On a GPU, Triton 3.6 computes wrong results for tiles of fewer than 32 tokens (page sizes 16
-    and 48), so there the largest power of two dividing
-    the page size must be >= 32 (page sizes 32, 64, 96, 128, ...); else ValueError.
-    """
-    blk = max(min(pow2_divisor(page_size), cap), group_size)
-    if blk < 32 and not interpreting():
-        raise ValueError(
-            f"page_size={page_size} with group_size={group_size} needs {blk}-token tiles; the GPU kernels "
-            f"need page_size divisible by 32 (e.g. 64)"
-        )
-    return blk
+    """Tokens per kernel iteration: a power of two that divides the page and is a multiple of G, at most ``cap``
+    where the group allows. The GPU's lower bound of 32 tokens is a configuration limit checked before
+    (:func:`.checks.kernel_limits`, through :func:`check_settings`)."""
+    return max(min(pow2_divisor(page_size), cap), group_size)
 
 
 _SM_COUNT: dict = {}

@@ -195,11 +195,13 @@ def _whole_steps(tokens: int, capacity: int, block_r: int) -> int:
     return max(block_r, triton.cdiv(max(1, min(tokens, capacity)), block_r) * block_r)
 
 
-def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size):
+def _check_common(q_dim, k_codes, k_scale, key_bits, value_bits, group_size, op: str = ""):
+    """The attention ops' shared checks: q's head_dim against the pool's, the configuration (``op``'s limits,
+    :func:`.checks.kernel_limits`), the pool rows contiguous."""
     d = k_scale.shape[-1]
     if q_dim != d:
         raise ValueError(f"q head_dim={q_dim} does not match the pool's head_dim={d}")
-    check_settings(d, key_bits, value_bits, group_size, k_codes.shape[2])
+    check_settings(d, key_bits, value_bits, group_size, k_codes.shape[2], op=op)
     for t in (k_codes, k_scale):
         if t.stride(-1) != 1:
             raise ValueError("pool tensors must have a contiguous last dimension")
@@ -230,12 +232,11 @@ class _DecodePlan:
                                        or num_splits < 1):
             raise ValueError(f"num_splits must be None (automatic) or an int >= 1 (context splits), got {num_splits!r}")
         bsz, hq, d = q.shape
-        _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size)
+        _check_common(d, k_codes, k_scale, key_bits, value_bits, group_size, op="paged_decode_attention")
         np_, hkv, p, _ = k_codes.shape
         if hq % hkv:
             raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
         group = hq // hkv
-        check_settings(d, key_bits, value_bits, group_size, p, op="paged_decode_attention")
         gp = max(t.gp_min, triton.next_power_of_2(group))
         interp = interpreting()
         blk = _step_tokens(p, group_size, interp, t)
