@@ -42,9 +42,9 @@ def _torch_threads():
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 (``load_smollm2(torch.float32)`` of
-    examples/smollm2.py), loaded once per session for every test that runs it (a load takes 15-20 s here: the GGUF
-    parse and dequantization). Tests must leave it as they found it: a StaticQuantizedPagedCache binds itself to the
-    attention modules (unbind with ``models.unbind_static``)."""
+    examples/smollm2.py), loaded once per session for every test that runs it (a load takes tens of seconds on a
+    CPU: the GGUF parse and dequantization). Tests must leave it as they found it: a StaticQuantizedPagedCache binds
+    itself to the attention modules (unbind with ``models.unbind_static``)."""
     from smollm2 import load_smollm2  # examples/smollm2.py
 
     return load_smollm2(torch.float32)
