@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_cases import DEV
+
 from kivi_cache.kernels import decode_split as KS
 
 
@@ -41,10 +43,10 @@ def test_key_words_split_every_planes_words(nk):
     unpack, which the interpreter cannot run)."""
     for gps, d in ((1, 64), (2, 64), (2, 128), (4, 256)):
         row = d // 2 + 3  # rows of the pools are further apart than a row's words (as the page pools' groups are)
-        s = torch.randint(-2**31, 2**31 - 1, (gps, row), dtype=torch.int32)
-        z = torch.randint(-2**31, 2**31 - 1, (gps, row), dtype=torch.int32)
+        s = torch.randint(-2**31, 2**31 - 1, (gps, row), dtype=torch.int32, device=DEV)
+        z = torch.randint(-2**31, 2**31 - 1, (gps, row), dtype=torch.int32, device=DEV)
         w = d // (2 * nk)
-        out = torch.full((2 * nk, gps, w), -7, dtype=torch.int32)  # poisoned
+        out = torch.full((2 * nk, gps, w), -7, dtype=torch.int32, device=DEV)  # poisoned
         _key_words_probe[(1,)](s, z, out, row, GPS=gps, D=d, NK=nk)
         want = torch.stack([t[:, k * w:(k + 1) * w] for k in range(nk) for t in (s, z)])
         assert torch.equal(out, want), (gps, d)
