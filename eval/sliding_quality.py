@@ -8,11 +8,13 @@ then one token at a time through the cache) on Austen chapters for:
 
 * ``fp``: ``DynamicCache(config=model.config)`` (transformers' sliding layers, full precision): the reference;
 * ``int8``, ``int4``, ``int2``: ``Int8PagedCache()``, ``Int4PagedCache()``, ``Int2PagedCache()``, served from the pages
-  with the window (session 22: the layers drop their sinks and release the pages the window left);
+  with the window (the sliding layers drop their sinks and release the pages the window left);
 * ``int4-fallback``: ``Int4PagedCache()`` with the hook's window path off (every step dequantizes the whole history
-  and runs sdpa with transformers' window mask, the sinks kept): the behaviour before session 22.
+  and runs sdpa with transformers' window mask, the sinks kept): what dropping the sinks and the pages costs.
 
-Reports perplexity, its change against ``fp``, top-1 agreement with ``fp``, and each cache's bytes after the run.
+Reports perplexity, its change against ``fp``, top-1 agreement with ``fp``, and each cache's bytes after the run;
+writes ``eval/results/sliding_quality_smollm2_cpu_<date>[_quick].json`` (``--out``), ``meta`` holding the settings,
+versions, machine, date, command and commit.
 
     python eval/sliding_quality.py                    # 4 docs x 1024 tokens (~15 min on 2 cores)
     python eval/sliding_quality.py --quick            # 1 doc x 160 tokens, window 48
@@ -37,10 +39,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import transformers  # noqa: E402
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM  # noqa: E402
 
-from eval.perplexity import load_texts, smollm2_module, stream_nll, token_batch  # noqa: E402
+from eval.perplexity import (  # noqa: E402
+    environment,
+    load_texts,
+    provenance,
+    result_path,
+    smollm2_module,
+    stream_nll,
+    token_batch,
+)
 from kivi_cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, hook  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = {
     "fp": lambda model: DynamicCache(config=model.config),
     "int8": lambda model: Int8PagedCache(),
@@ -83,8 +92,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--start", type=int, default=64)
     ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default eval/results/sliding_quality_smollm2_cpu_<date>[_quick].json)")
+    ap.add_argument("--commit", default=None, help="the commit of this tree, recorded in the JSON (default: git)")
     args = ap.parse_args(argv)
+    prov = provenance("sliding_quality.py", argv, args.commit)
     if args.quick:
         args.window, args.docs, args.tokens = 48, 1, 160
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -118,11 +130,13 @@ def main(argv=None) -> dict:
             row["sliding_layers"] = sum(layer.sliding_window is not None for layer in cache.layers)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    result = dict(meta=dict(model="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32) as MistralForCausalLM", window=args.window,
-                            docs=picked, tokens=args.tokens, start=args.start, torch=torch.__version__,
-                            transformers=transformers.__version__, python=platform.python_version(),
-                            machine=platform.machine(), mistral_vs_llama_logit_diff=same), rows=rows)
-    out = args.out or str(RESULTS / ("sliding_quality_quick.json" if args.quick else "sliding_quality.json"))
+    result = dict(meta=dict(**prov, model="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32) as MistralForCausalLM",
+                            window=args.window, docs=picked, tokens=args.tokens, start=args.start,
+                            torch=torch.__version__, transformers=transformers.__version__,
+                            python=platform.python_version(), machine=environment(),
+                            mistral_vs_llama_logit_diff=same), rows=rows)
+    out = Path(args.out) if args.out else result_path("sliding_quality_smollm2", args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

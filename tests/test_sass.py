@@ -14,23 +14,24 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BATCH = os.path.join(ROOT, "eval", "sass_batch.py")
+BATCH = os.path.join(ROOT, "tests", "sass", "sass_batch.py")
 
 
 def decode_job(*consts, maxnreg=0, **env_extra):
-    """A build of eval/sass_decode.py: KEY=VALUE consts, maxnreg as env R, other variables of that script (S, W)."""
+    """A build of tests/sass/sass_decode.py: KEY=VALUE consts, maxnreg as env R, other variables of that script
+    (S, W)."""
     return "decode", consts, tuple(sorted({"R": str(maxnreg), **env_extra}.items()))
 
 
 def quantize_job(*consts):
-    """A build of eval/sass_quantize.py."""
+    """A build of tests/sass/sass_quantize.py."""
     return "quantize", consts, ()
 
 
 def run_builds(jobs) -> dict:
-    """{job: summary or error text} for ``jobs`` (duplicates built once), in eval/sass_batch.py processes: one Triton
-    import per process instead of one per build (~4 s each), two processes side by side where there are two
-    cores (each build is one single-threaded compile)."""
+    """{job: summary or error text} for ``jobs`` (duplicates built once), in tests/sass/sass_batch.py processes:
+    one Triton import per process instead of one per build, two processes side by side where there are two cores
+    (each build is one single-threaded compile)."""
     jobs = list(dict.fromkeys(jobs))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     n = max(1, min(2, os.cpu_count() or 1, len(jobs)))
@@ -68,7 +69,8 @@ def _build_all(request):
     """Every build below, once, before the module's first test when more than one of them runs (a single test
     builds only its own)."""
     here = sys.modules[__name__]
-    if sum(getattr(item, "module", None) is here for item in request.session.items) > 1:
+    selected = request.node.listchain()[0].items  # the root of the collection tree holds the selected tests
+    if sum(getattr(item, "module", None) is here for item in selected) > 1:
         _built.update(run_builds(JOBS))
     yield
     _built.clear()
@@ -90,11 +92,11 @@ def sass(*consts, maxnreg=0, **env_extra):
 
 
 DECODE_BUDGETS = [
-    # per code per lane with the 5-stage pipeline and the token-packed value layout, Triton 3.6 (the
-    # GPU image, where the kernel is tuned and timed) / 3.9. Since the t39 unpack (join of the int32 pairs before
-    # the halves, phase-1 mask on the pairs) 3.9 keeps the unpacked operands in registers as 3.6 does (kWidth 4)
-    # and is no worse (eval/candidates/T39.md); other versions get a little slack (their register allocation
-    # differs, see the 32-token test below)
+    # SASS instructions per code per lane with the 5-stage pipeline and the token-packed value layout, Triton 3.6
+    # (the GPU image, where the kernel is tuned and timed) / 3.9 (in comments: measured counts 3.6 / 3.9). The
+    # unpack joins the int32 pairs ahead of the halves and masks the pairs, so 3.9 keeps the unpacked operands in
+    # registers as 3.6 does (kWidth 4) and builds no more instructions; other versions get a little slack (their
+    # register allocation differs, see the 32-token test below)
     ((), 3.05),  # Int4PagedCache shape: 4/4 bits, group 32, 64-token steps, fp16 (2.83 / 2.85, 0 spills)
     (("KBITS=4", "VBITS=2", "G=64"), 2.8),  # Int2PagedCache shape (2.40 / 2.41)
     (("KBITS=2", "VBITS=2", "BF16=1"), 3.0),  # 2/2 bits, bf16 PTX (2.52 / 2.51)
@@ -134,10 +136,9 @@ def test_decode_kernel_builds_for_sm90(consts, budget):
 
 def test_decode_value_words_are_copied_16_bytes_at_a_time():
     """VHINT (on by default at head_dim 128 with 64-token steps): the paged loop's value-word tiles are copied to
-    shared memory in 16-byte cp.async pieces. Triton 3.6 copied them 4 bytes at a time without the hint (24 16-byte
+    shared memory in 16-byte cp.async pieces. Without the hint Triton 3.6 copies them 4 bytes at a time (24 16-byte
     copies in the PTX instead of 48: pipeline prologue and loop, the key tiles only); 3.9 vectorizes them either
-    way, and decodes faster with the 16-byte copies. Under 3.6 (CI's second run) this fails if
-    the hint is dropped."""
+    way. Under 3.6 (CI's second run) this fails if the hint is dropped."""
     import triton
 
     hinted, plain = sass(), sass("VHINT=0")
@@ -202,8 +203,8 @@ def test_decode_kernel_builds_when_a_value_plane_is_under_an_mma_k(consts):
 
 
 def test_decode_kernel_builds_for_8bit_values_and_one_query_per_head():
-    """8-bit values (one plane per word) with a GQA group of 1: the GPU build once failed here (a reshape after a
-    constexpr-if's early return, which Triton's compiler still builds; the interpreter never sees it)."""
+    """8-bit values (one plane per word) with a GQA group of 1 build for sm_90: Triton's compiler builds the code
+    after a constexpr-if's early return (a reshape there must be valid), which the interpreter never runs."""
     r = sass(*VALUES8)
     assert r["spills"] == 0 and r["hmma"] > 0
 
