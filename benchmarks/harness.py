@@ -219,7 +219,6 @@ def copy_bandwidth(dev: torch.device, nbytes: int = 4 << 30) -> float:
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=dev).uniform_()
     y = torch.empty_like(x)
     ms = median(time_alternating({"copy": lambda: y.copy_(x)}, dev, reps=10, graphs=False)["copy"])
-    del x, y
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -245,3 +244,22 @@ class StepClock:
         pairs = list(zip(self.marks[:-1], self.marks[1:], strict=True))
         d = [a.elapsed_time(b) if self.cuda else (b - a) * 1e3 for a, b in pairs]
         return d[1:] if len(d) > 2 else d
+
+
+def kernels(quick: bool):
+    """``kivi_cache.kernels.api``: the Triton kernels' ops, called directly (no backend choice; the signatures of
+    ``kivi_cache.reference``), the repository put on ``sys.path``. Without a GPU a ``--quick`` run turns Triton's
+    interpreter on first (``TRITON_INTERPRET=1`` must be set before Triton is imported: call this before importing
+    ``kivi_cache`` or ``transformers``); any other run without a GPU stops with a message saying so."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    if not torch.cuda.is_available():
+        if not quick:
+            raise SystemExit("no CUDA device: use --quick for the CPU smoke run (Triton's interpreter)")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kivi_cache.kernels import api
+
+    if not torch.cuda.is_available() and not api.interpreting():
+        raise SystemExit("no CUDA device and the kernels were loaded without Triton's interpreter: run with "
+                         "TRITON_INTERPRET=1 set")
+    return api
