@@ -77,7 +77,7 @@ def num_sms(device: torch.device) -> int:
 
 
 # Launch option of every kernel here (Launcher adds it; a direct launch passes it): floating-point fusion (a * b + c
-# as one fma) stated rather than left to Triton's default. The kernels were tuned and timed with it (Triton 3.6's
+# as one fma) stated rather than left to Triton's default. The kernels are tuned and timed with it (Triton 3.6's
 # default); 3.9 keeps it on but warns at the first compile unless TRITON_DEFAULT_FP_FUSION is set, and announces the
 # default off from 3.10 (more instructions in the softmax and merges, other rounding). TRITON_FORCE_DISABLE_FP_FUSION=1
 # still turns it off.

@@ -39,7 +39,7 @@ tile is transposed through shared memory; each plane's MMA takes the rows of ``P
 Key pairs for 64-token groups hold channels ``(4w + p, 4w + p + 2)`` ("ODD": one shift of the word instead of byte
 shuffles; q's rows in that order, ``_qrows``). Whole steps run in an unmasked copy of the loop, a last partial step in
 a masked one. Online softmax in the exp2 domain. ``KASM``/``VASM`` off (under the interpreter, with fp32 dots or
-8-bit codes, and with ``DecodeTuning(unpack="plain")``): no inline PTX. ``eval/sass_decode.py`` compiles
+8-bit codes, and with ``DecodeTuning(unpack="plain")``): no inline PTX. ``tests/sass/sass_decode.py`` compiles
 this kernel alone to read its SASS.
 """
 

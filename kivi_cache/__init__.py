@@ -1,7 +1,10 @@
 """kivi_cache: a 2/4-bit quantized, paged KV cache for HuggingFace transformers.
 
     from kivi_cache import Int4PagedCache
-    out = model.generate(ids, past_key_values=Int4PagedCache(), max_new_tokens=256)
+    out = model.generate(ids, cache=Int4PagedCache(), max_new_tokens=256)
+
+transformers >= 5.24 takes the cache as ``cache=``, earlier versions as ``past_key_values=``;
+``**cache_kwargs(model, cache)`` passes it under the name the installed version takes.
 """
 
 from . import hook
@@ -9,7 +12,7 @@ from .cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, QuantizedPage
 from .compat import cache_arg_name, cache_kwargs
 from .config import QuantConfig
 from .layer import CacheUnusableError
-from .memory import MemoryReport
+from .memory import MemoryReport, break_even_tokens
 from .ops import get_backend, kernel_error, set_backend
 from .prefill import prefill
 from .static import StaticQuantizedPagedCache
@@ -25,6 +28,7 @@ __all__ = [
     "QuantConfig",
     "CacheUnusableError",
     "MemoryReport",
+    "break_even_tokens",
     "cache_arg_name",
     "cache_kwargs",
     "set_backend",

@@ -14,6 +14,7 @@ from .batch import repeat_index
 from .config import QuantConfig, _check_int
 from .layer import QuantizedPagedLayer, SharedState
 from .memory import MemoryReport
+from .pool import Budget
 
 
 def _layer_windows(config) -> list:
@@ -51,15 +52,19 @@ class QuantizedPagedCache(Cache):
 
     Use it wherever transformers takes a cache::
 
-        out = model.generate(ids, past_key_values=QuantizedPagedCache(key_bits=2, value_bits=4))
+        out = model.generate(ids, cache=QuantizedPagedCache(key_bits=2, value_bits=4))
+
+    (``cache=`` on transformers >= 5.24, ``past_key_values=`` before; :func:`kivi_cache.cache_kwargs` picks the
+    name.) A cache holds one batch of conversations: :meth:`reset` it, or make a new one, for another batch.
 
     Args:
         key_bits, value_bits: 2, 4 or 8.
         group_size: tokens per key group (per channel) and channels per value group (per token).
         residual_length: newest tokens kept in full precision.
         page_size: tokens per page (a multiple of group_size).
-        num_pages: pages to preallocate per layer (0: grow on demand: by what a prefill needs, and by at
-            least 1/8 of the pool and at least 16 pages at a time).
+        num_pages: pages to preallocate per layer (0: grow on demand: the first time by exactly what the step
+            needs, usually the prompt's pages, later by at least 1/8 of the pool). A cache that needs more still
+            grows, and warns once.
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
         config: optional model config, checked up front for attention the cache does not support (layer types
             other than full and sliding-window attention, e.g. chunked attention or state-space layers); with
@@ -68,7 +73,7 @@ class QuantizedPagedCache(Cache):
         max_batch_size, max_cache_len: give both to preallocate exactly the pages ``max_batch_size``
             sequences of up to ``max_cache_len`` tokens (prompt + new) need (instead of ``num_pages``):
             what to do under a memory limit, as for transformers' ``StaticCache``. Longer or more
-            sequences still work; the pool then grows.
+            sequences still work; the pool then grows, and the cache warns once.
     """
 
     def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 32, residual_length: int = 128,
@@ -90,7 +95,10 @@ class QuantizedPagedCache(Cache):
         self.quant_config = quant_config
         self._layer_configs: list = []  # per layer, where it differs from quant_config (sliding layers' pools)
         self._record_past = False  # activate_past_recording was called (layers made later record too)
-        self._shared = SharedState()  # one per cache: its layers read each forward's mask once, fail together
+        # one per cache: its layers read each forward's mask once, fail together, warn once past the size budget
+        budget = (f"max_batch_size={max_batch_size}, max_cache_len={max_cache_len}" if max_batch_size is not None
+                  else f"num_pages={num_pages}" if num_pages else None)
+        self._shared = SharedState(None if budget is None else Budget(budget))
         if config is not None:
             _check_model_config(config)
             if max_batch_size is not None:
@@ -244,8 +252,15 @@ class QuantizedPagedCache(Cache):
         sizes = {layer.batch_size for layer in self.layers if layer.is_initialized}
         return sizes.pop() if len(sizes) == 1 else -1
 
+    def reset(self) -> None:
+        """Empty the cache for another batch of conversations (any batch size, any model): every layer drops its
+        tokens, and a cache marked unusable (:class:`~kivi_cache.CacheUnusableError`) is usable again. The pools
+        keep their pages, which the next batch reuses."""
+        super().reset()
+
     def memory_report(self) -> MemoryReport:
-        """Bytes held by this cache, by kind, and the compression against an fp16 cache."""
+        """Bytes this cache holds (live) and allocated, by kind, each against a transformers ``DynamicCache`` of the
+        same tokens in the model's dtype (:class:`~kivi_cache.MemoryReport`; ``print`` it for a summary)."""
         return MemoryReport.from_layers(self.layers)
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+import torch
+
 from .kernels.checks import ALLOWED_BITS  # the code widths the ops accept (one definition, with their checks)
+from .window import window_append
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -104,5 +107,35 @@ class QuantConfig:
         full = replace(self, sink_length=0).pages_per_sequence(max_len)
         return min(full, -(-max(0, window - self.residual_length) // self.page_size) + 1)
 
+    def bytes_per_element(self, dtype: torch.dtype = torch.float16) -> float:
+        """Bytes per cached element (one channel of one key or value) of a quantized token, keys and values
+        averaged, its share of the scales and zero points (in ``dtype``, the model's) included; to compare with
+        ``dtype.itemsize``, what the element takes in full precision."""
+        bits = (self.key_bits + self.value_bits) / 2
+        return bits / 8 + 2 * _element_size(dtype) / self.group_size
+
+    def live_bytes(self, tokens: int, head_dim: int, dtype: torch.dtype, num_heads: int = 1) -> int:
+        """Bytes one sequence of ``tokens`` tokens holds in one full-attention layer of ``num_heads`` KV heads: the
+        sinks and the residual window in ``dtype``, the whole key groups beyond them quantized (the rule of
+        :func:`kivi_cache.window.window_append`). What :meth:`~kivi_cache.QuantizedPagedCache.memory_report` counts
+        as live for such a sequence, per layer."""
+        _check_int("tokens", tokens, 0)
+        _check_int("num_heads", num_heads, 1)
+        self.check_head_dim(head_dim)
+        _, flushed = window_append(0, 0, tokens, sink_length=self.sink_length, residual_length=self.residual_length,
+                                   group_size=self.group_size)
+        elem = _element_size(dtype)
+        g = self.group_size
+        groups = flushed // g
+        quantized = groups * (g * head_dim * (self.key_bits + self.value_bits) // 8 + 4 * head_dim * elem)
+        return num_heads * (quantized + 2 * (tokens - flushed) * head_dim * elem)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _element_size(dtype) -> int:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype (the model's, e.g. torch.float16), got "
+                         f"{dtype!r}")
+    return dtype.itemsize

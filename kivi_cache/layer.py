@@ -41,7 +41,7 @@ from .config import QuantConfig
 from .handles import KVHandle, PendingStep
 from .masks import MaskReader, chunk_visibility, query_len
 from .mirror import DeviceMirror, all_equal
-from .pool import PagePool
+from .pool import Budget, PagePool
 from .store import Store
 from .window import capacity
 
@@ -53,13 +53,15 @@ class CacheUnusableError(RuntimeError):
 
 
 class SharedState:
-    """What the layers of one cache share: the mask reader, and why the cache is unusable (None: it is usable)."""
+    """What the layers of one cache share: the mask reader, why the cache is unusable (None: it is usable), and its
+    size budget (None: none given), which warns once when a pool outgrows it."""
 
-    __slots__ = ("masks", "unusable")
+    __slots__ = ("masks", "unusable", "budget")
 
-    def __init__(self):
+    def __init__(self, budget: Budget | None = None):
         self.masks = MaskReader()
         self.unusable: str | None = None
+        self.budget = budget
 
 
 class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
@@ -135,7 +137,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         pool = self.pool
         if pool is None or (pool.num_heads, pool.head_dim, pool.dtype, pool.device) != (h, d, self.dtype,
                                                                                           self.device):
-            self.pool = PagePool(self.cfg, h, d, self.dtype, self.device)
+            self.pool = PagePool(self.cfg, h, d, self.dtype, self.device, self.shared.budget)
         self._clear_sequences()
         self.batch_size = b
         self.tables = [[] for _ in range(b)]
@@ -151,6 +153,21 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
 
     # ----------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.check_step(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)  # checks the heads of values against keys first
+        if self.pending is not None:
+            self.commit(self.pending)  # the last step's attention never read its handles
+        b, h, n, d = key_states.shape
+        step = PendingStep(self, key_states, value_states)
+        self.pending = step
+        self.seen += n
+        shape = (b, h, self.seen, d)
+        return KVHandle(step, 0, shape), KVHandle(step, 1, shape)
+
+    def check_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise, changing nothing, unless a step of these states can be stored: a usable cache, and once the layer
+        holds a batch, the batch's shape, dtype and device."""
         if self.unusable is not None:
             self.check_usable()
         checks.check_states(key_states, value_states)
@@ -158,23 +175,17 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
             raise ValueError(f"key_states ({key_states.dtype}) and value_states ({value_states.dtype}) must have one "
                              f"dtype")
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            return
         b, h, n, d = key_states.shape
         if (b, h, d) != (self.batch_size, self.num_heads, self.head_dim) or value_states.shape != key_states.shape:
             raise ValueError(
                 f"key/value states of shape {tuple(key_states.shape)}/{tuple(value_states.shape)} do not match "
-                f"the cache (batch {self.batch_size}, {self.num_heads} heads, head_dim {self.head_dim})")
+                f"the cache (batch {self.batch_size}, {self.num_heads} heads, head_dim {self.head_dim}): a cache "
+                f"holds one batch of conversations; call cache.reset() (or make a new cache) for another batch")
         if key_states.dtype != self.dtype or key_states.device != self.device:
             raise ValueError(f"key/value states must have the dtype and device of the tokens stored ({self.dtype} on "
                              f"{self.device}), got {key_states.dtype} on {key_states.device}: a cache holds one "
                              f"model's states (reset() it, or make a new cache, for another dtype or device)")
-        if self.pending is not None:
-            self.commit(self.pending)  # the last step's attention never read its handles
-        step = PendingStep(self, key_states, value_states)
-        self.pending = step
-        self.seen += n
-        shape = (b, h, self.seen, d)
-        return KVHandle(step, 0, shape), KVHandle(step, 1, shape)
 
     def commit(self, step: PendingStep, valid: torch.Tensor | None = None, defer_write: bool = False) -> bool:
         """Store the step's new tokens. ``valid`` ``[B, L]`` bool marks real (non-pad) tokens. ``defer_write``: a
@@ -532,26 +543,36 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         per_page = self.pool.page_nbytes()
         # quantized tokens still held (a sliding-window layer's released ones are not: they count nowhere)
         live_q = sum(self.paged_lens) - sum(self.hidden) * c.page_size
-        frac = self._held_page_tokens() / c.page_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        held = self._held_page_tokens()
+        elem = self.dtype.itemsize
         live_r = sum(self.window_lens)
         live_s = sum(self.sinks)
         residual_alloc = 0 if self.res_k is None else 2 * self.res_k.numel() * elem
-        pages_used = self.pool.pages_in_use
+        token_bytes = 2 * h * d * elem  # a key and a value in full precision
+        # the baseline: a DynamicCache of these tokens (pads included in its tensors; a sliding-window layer's holds
+        # the last window - 1 positions, as transformers' DynamicSlidingWindowLayer)
+        stored = [q + r for q, r in zip(self.paged_lens, self.window_lens, strict=True)]
+        positions = max((p + n for p, n in zip(self.pads, stored, strict=True)), default=0)
+        kept = positions if self.sliding_window is None else min(positions, self.sliding_window - 1)
         return {
             "quantized_tokens": live_q,
             "residual_tokens": live_r,
-            "codes": int(per_page["codes"] * frac),
-            "scales": int(per_page["scales"] * frac),
-            "zeros": int(per_page["zeros"] * frac),
-            "residual": 2 * live_r * h * d * elem,
+            "codes": per_page["codes"] * held // c.page_size,
+            "scales": per_page["scales"] * held // c.page_size,
+            "zeros": per_page["zeros"] * held // c.page_size,
+            "residual": live_r * token_bytes,
             "sink_tokens": live_s,
-            "sinks": 2 * live_s * h * d * elem,
+            "sinks": live_s * token_bytes,
             "residual_allocated": residual_alloc,
             "pool_allocated": self.pool.allocated_bytes(),
             "pages_total": self.pool.capacity,
-            "pages_in_use": pages_used,
+            "pages_in_use": self.pool.pages_in_use,
             "fp16_equivalent": 2 * (live_q + live_r) * h * d * 2,
+            "dtype": self.dtype,
+            "batch_size": self.batch_size,
+            "seq_length": positions,
+            "baseline_live": sum(min(n, kept) for n in stored) * token_bytes,
+            "baseline_allocated": self.batch_size * kept * token_bytes,
         }
 
 

@@ -10,6 +10,7 @@ pages whose count drops to zero.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -17,10 +18,32 @@ from .config import QuantConfig
 from .kernels.checks import PoolTensors
 
 
+class Budget:
+    """A cache's size budget as the user gave it (``text`` names the parameters), shared by its layers' pools:
+    a pool that outgrows its preallocated pages still grows, and the first to do so warns, once per cache."""
+
+    __slots__ = ("text", "warned")
+
+    def __init__(self, text: str):
+        self.text = text
+        self.warned = False
+
+    def exceeded(self, pages: int, needed: int, page_size: int) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        warnings.warn(
+            f"kivi_cache: the cache outgrew its size budget ({self.text}: {pages} pages of {page_size} tokens in a "
+            f"layer's pool); a layer needs {needed} pages for the tokens it holds, so its pool grows beyond the "
+            f"budget (warned once per cache). Give a larger budget to keep the cache within a fixed size.",
+            stacklevel=2)
+
+
 class PagePool:
     def __init__(self, cfg: QuantConfig, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, budget: Budget | None = None):
         self.cfg = cfg
+        self.budget = budget  # the cache's, where the user gave one (cfg.num_pages are then its pages)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -37,7 +60,7 @@ class PagePool:
     def __deepcopy__(self, memo):
         """A copy with its own tensors and no decode runner (a cache deep-copied mid-generation, to branch it): a
         runner's Triton launch state (compiled kernels, the raw pointers of these tensors) can neither be copied
-        (deepcopy raised TypeError on the GPU) nor serve the copy's tensors; the copy plans its own at its next step."""
+        (deepcopy of it raises TypeError) nor serve the copy's tensors; the copy plans its own at its next step."""
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for name, value in self.__dict__.items():
@@ -71,12 +94,15 @@ class PagePool:
         self.capacity = new_capacity
 
     def _grow_for(self, deficit: int) -> None:
-        """Grow by ``deficit`` pages, at least 1/8 of the capacity (and 16): a prefill that reserves its pages
-        first gets them in one step (exactly them once it needs more than that minimum), small later steps
-        amortize the copy that growing costs (the pool is one tensor per kind for the kernels: growing
-        concatenates). Doubling would leave up to half of a large pool unused -- memory a batch near the budget
-        could not use."""
-        self._grow(self.capacity + max(deficit, self.capacity // 8, 16))
+        """Grow by ``deficit`` pages. An empty pool gets exactly them: the first step to store pages is usually the
+        prompt, which reserves all it needs at once, so the pool starts at the prompt's size. Later growth is at
+        least 1/8 of the capacity, so that small steps amortize the copy that growing costs (the pool is one tensor
+        per kind for the kernels: growing concatenates); doubling would leave up to half of a large pool unused.
+        A pool preallocated to the user's budget (``num_pages``, ``max_batch_size``/``max_cache_len``) grows
+        the same way past it, and the cache warns once (:class:`Budget`)."""
+        if self.budget is not None and self.cfg.num_pages and self.capacity >= self.cfg.num_pages:
+            self.budget.exceeded(self.cfg.num_pages, self.capacity + deficit, self.cfg.page_size)
+        self._grow(self.capacity + max(deficit, -(-self.capacity // 8)))
 
     def reserve(self, n: int) -> None:
         """Make sure ``n`` pages can be allocated without growing one page at a time."""

@@ -1,7 +1,7 @@
 """Store a prompt in a cache with plain (uncompiled) forwards before ``generate``.
 
 ``generate`` compiles the forward of every prompt chunk when the cache is compileable
-(:class:`~kivi_cache.StaticQuantizedPagedCache`; transformers 5.17's ``_prefill``). The chunks break their
+(:class:`~kivi_cache.StaticQuantizedPagedCache`; transformers' ``_prefill``). The chunks break their
 graphs into our eager prompt path, and under CUDA graphs each piece keeps its own memory pool: at hundreds of
 long sequences that is gigabytes, enough to run out of a memory budget that the eager cache fits. :func:`prefill`
 stores all but the last prompt token eagerly, in chunks; ``generate`` then runs the last token and compiles only the
@@ -9,7 +9,7 @@ decode step::
 
     cache = StaticQuantizedPagedCache(model, max_cache_len=prompt_len + new_tokens)
     prefill(model, cache, ids, attention_mask=mask, chunk_size=512)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens)
 """
 
 from __future__ import annotations

@@ -140,8 +140,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
 
     def _pages_per_sequence(self) -> int:
         """Pages a sequence of up to max_cache_len cached tokens can fill: its whole key groups beyond the sinks and
-        the window (as QuantConfig.pages_per_sequence; ceil(max_cache_len / page_size) also counted the window's
-        and the sinks' tokens: ~2 spare pages per sequence, 1.6 GiB at 320 x 4k on Llama-3-8B)."""
+        the window (QuantConfig.pages_per_sequence; the window's and the sinks' tokens take no pages)."""
         return max(1, self.cfg.pages_per_sequence(self.max_cache_len))
 
     def materialize(self, step, valid=None):
@@ -233,11 +232,13 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         """The prompt or a chunk of it, through the host bookkeeping. Never traced: generate compiles the forward
         of every prompt chunk too, and dynamo would otherwise trace (and recompile for each chunk) the lists,
         page allocation and lazy handles; a compiled chunk breaks its graph here and runs this as plain Python."""
+        self.check_step(key_states, value_states)  # before _to_dynamic changes the bookkeeping
         if self.static:
             if self.decoding:
                 raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step "
                                  "is supported (no assisted decoding or chunked continuation); use "
-                                 "QuantizedPagedCache")
+                                 "QuantizedPagedCache; for another batch of conversations, call cache.reset() (or "
+                                 "make a new cache)")
             self._to_dynamic()  # another chunk of the prompt (generate's prefill_chunk_size): eager again
         if self.seen + key_states.shape[2] >= self.max_cache_len:
             raise ValueError(f"the prompt ({self.seen + key_states.shape[2]} tokens) does not fit "
@@ -265,7 +266,9 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                 raise ValueError(f"key/value states must be [batch={self.batch_size}, heads={self.num_heads}, 1, "
                                  f"head_dim={self.head_dim}] {self.dtype} on {self.device} (the stored tokens'), got "
                                  f"{list(key_states.shape)} {key_states.dtype} on {key_states.device} and "
-                                 f"{list(value_states.shape)} {value_states.dtype} on {value_states.device}")
+                                 f"{list(value_states.shape)} {value_states.dtype} on {value_states.device}: a "
+                                 f"cache holds one batch of conversations; call cache.reset() (or make a new cache) "
+                                 f"for another batch")
         if key_states.requires_grad or value_states.requires_grad:  # the cache keeps data, not graphs
             key_states, value_states = key_states.detach(), value_states.detach()
         cfg, g = self.cfg, self.cfg.group_size

@@ -14,7 +14,7 @@ Same functions, signatures and argument checks as the reference (the other opera
 a :class:`DecodeRunner` like the kernels' (the fixed tensors' shapes checked once, their index values again after an
 in-place write): what :mod:`kivi_cache.ops` runs where the Triton kernels do not (the CPU, a GPU without working
 kernels). It never builds the dequantized history, which makes the CPU decode step several times cheaper than the
-reference's (``eval/cpu_step.py`` measures it).
+reference's (``benchmarks/cpu_step.py`` measures it).
 """
 
 from __future__ import annotations

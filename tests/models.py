@@ -59,7 +59,7 @@ def decisive_prompt(model, length, new_tokens=32, margin=0.02, batch=1, tries=40
 
 def unbind_static(model) -> None:
     """Remove a StaticQuantizedPagedCache's binding (``_kivi_static``) from the attention modules of a model that
-    later tests share (the session's SmolLM2, conftest.py)."""
+    later tests share (the SmolLM2 fixture, conftest.py)."""
     for module in model.modules():
         module.__dict__.pop("_kivi_static", None)
 

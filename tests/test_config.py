@@ -119,3 +119,27 @@ def test_pages_per_sequence_and_preallocation():
     assert cache.quant_config.num_pages == 892 * 15
     with pytest.raises(ValueError, match="max_len must be an integer >= 0"):
         c.pages_per_sequence(-1)
+
+
+def test_bytes_per_element_and_live_bytes():
+    """Bytes per cached element of a quantized token (codes, and scales and zero points over their groups) and the
+    bytes of a sequence in one layer: the sinks and the window in the model's dtype, whole groups quantized."""
+    assert Int4PagedCache().quant_config.bytes_per_element() == 0.5 + 2 * 2 / 32
+    assert Int2PagedCache().quant_config.bytes_per_element() == 0.4375  # 4-bit keys, 2-bit values, groups of 64
+    assert QuantConfig(key_bits=8, value_bits=8).bytes_per_element(torch.float32) == 1 + 2 * 4 / 32
+    c = QuantConfig(group_size=32, residual_length=128, page_size=64, sink_length=4)
+    d, h = 64, 3
+    for n, quantized in [(0, 0), (1, 0), (163, 0), (164, 32), (195, 32), (196, 64), (1000, 864)]:
+        full = 2 * (n - quantized) * d * 2  # keys and values in float16
+        codes = quantized * d * (4 + 4) // 8
+        scales_zeros = quantized * 4 * d * 2 // 32  # keys: 2 per channel per group; values: 2 per group per token
+        assert c.live_bytes(n, d, torch.float16, num_heads=h) == h * (full + codes + scales_zeros), n
+        assert c.live_bytes(n, d, torch.float16) * 8 == c.live_bytes(n, d, torch.float16, num_heads=8)
+    assert c.live_bytes(1000, d, torch.float16) - c.live_bytes(1000 - 32, d, torch.float16) == \
+        32 * 2 * d * c.bytes_per_element()  # a group more in the pages, the window as long
+    for bad, match in [(dict(tokens=-1), "tokens must be an integer >= 0"),
+                       (dict(num_heads=0), "num_heads must be an integer >= 1"),
+                       (dict(head_dim=48), "must divide the model's head_dim=48"),
+                       (dict(dtype=torch.int32), "dtype must be a floating-point torch.dtype")]:
+        with pytest.raises(ValueError, match=match):
+            c.live_bytes(**dict(dict(tokens=10, head_dim=64, dtype=torch.float16), **bad))

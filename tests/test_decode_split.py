@@ -6,7 +6,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from kernel_cases import DEV
 
 from kivi_cache.kernels import decode_split as KS

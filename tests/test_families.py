@@ -2,6 +2,8 @@
 attention argument, chunked attention) falls back to the materialized history and stays exact. Tiny random models,
 no download."""
 
+import warnings
+
 import pytest
 import torch
 import transformers as T
@@ -604,6 +606,28 @@ def test_past_recording_keeps_a_prompts_pages_for_crop():
     torch.testing.assert_close(logits, ref, rtol=2e-2, atol=2e-2)
 
 
+def test_memory_baseline_of_sliding_layers_is_the_dynamic_caches():
+    """A sliding-window layer's baseline is what transformers' DynamicCache(config=...) holds for it (the last
+    window - 1 positions of a DynamicSlidingWindowLayer), a full layer's every position: the report's
+    ``baseline_allocated`` is that cache's tensors' bytes after the same generate, padded batch included."""
+    torch.manual_seed(0)
+    model = SLIDING["gemma3"]().eval()  # layers 0, 1 sliding (24), 2 full
+    ids = torch.randint(3, 128, (2, 100), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    dyn, ours = DynamicCache(config=model.config), QuantizedPagedCache(**SLIDING_PAGED)
+    _generate(model, ids, mask, dyn, n=20)
+    _generate(model, ids, mask, ours, n=20)
+    assert [type(layer).__name__ for layer in dyn.layers][:2] == ["DynamicSlidingWindowLayer"] * 2
+    rep = ours.memory_report()
+    held = sum(t.numel() * t.element_size() for layer in dyn.layers for t in (layer.keys, layer.values))
+    token_bytes = 2 * 2 * 32 * 4  # key and value, 2 KV heads of 32 channels, float32
+    positions = 100 + 20 - 1
+    assert rep.baseline_allocated == held == 2 * (2 * 23 + positions) * token_bytes
+    assert rep.baseline_live == (2 * 2 * 23 + 2 * positions - 30) * token_bytes  # the window holds real tokens only
+    assert rep.live_ratio < 1
+
+
 def test_config_sizes_the_pools_of_sliding_layers():
     """``config=`` with ``max_batch_size``/``max_cache_len``: a sliding-window layer's pool holds the pages its window
     reaches (``QuantConfig.sliding_pages_per_sequence`` per sequence, + the zero page), a full layer's the whole
@@ -621,7 +645,9 @@ def test_config_sizes_the_pools_of_sliding_layers():
     ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(3))
     cfg = QuantConfig(**SLIDING_PAGED)
     sized = QuantizedPagedCache(**SLIDING_PAGED, config=model.config, max_batch_size=2, max_cache_len=260)
-    seq, _ = _generate(model, ids, None, sized, n=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the budget: no warning that the cache outgrew it
+        seq, _ = _generate(model, ids, None, sized, n=40)
     sliding = 2 * cfg.sliding_pages_per_sequence(24, 260) + 1
     assert sliding == 5
     assert [layer.pool.capacity for layer in sized.layers] == [sliding, sliding, 2 * cfg.pages_per_sequence(260)]

@@ -322,7 +322,7 @@ def test_loaded_model_with_hflm_args(tiny_dir):
 def test_smollm2_by_its_gguf_path_and_loaded(smollm2):
     """The examples' model (examples/smollm2.py) in lm-eval, as a user passes it: its local folder with
     ``gguf_file=`` (HFLM loads it), and the already loaded model with its tokenizer. Both score as the model of
-    ``load_smollm2`` does (the session's: smollm2, conftest.py)."""
+    ``load_smollm2`` does (the fixture smollm2, conftest.py)."""
     from smollm2 import sample_text, smollm2_gguf
 
     from kivi_cache.lm_eval import KiviLM

@@ -95,7 +95,7 @@ def _greedy(model, ids, cache) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def agreement(smollm2):  # smollm2: the session's model (conftest.py)
+def agreement(smollm2):  # smollm2: the model the tests share (conftest.py)
     """{passage: {"prompt": n, "int8": agree, "int4": agree}} from one run of every cache on every passage."""
     from transformers import DynamicCache
 

@@ -153,6 +153,28 @@ def test_static_errors():
         cache.batch_repeat_interleave(2)
 
 
+def test_static_another_batch_is_refused_until_reset():
+    """A static cache holds one batch of conversations too: a decode step or a prompt of another batch raises,
+    saying to reset() the cache, and changes nothing; after reset() another batch gets a new cache's tokens."""
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(3)
+    ids, other = torch.randint(0, 100, (2, 40), generator=gen), torch.randint(0, 100, (3, 40), generator=gen)
+    cache = StaticQuantizedPagedCache(model, 128, **CFG)
+    _generate(model, ids, cache, n=5)
+    layer = cache.layers[0]
+    before = int(cache.get_seq_length()), layer.paged_len.clone(), layer.window_len.clone(), layer.res_k.clone()
+    for n in (1, 3):  # a decode step, a prompt
+        with pytest.raises(ValueError, match=r"a cache holds one batch of conversations; call cache.reset\(\)"):
+            with torch.no_grad():
+                model(torch.randint(0, 100, (3, n)), **cache_kwargs(model, cache))
+        after = int(cache.get_seq_length()), layer.paged_len, layer.window_len, layer.res_k
+        assert before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1:], after[1:], strict=True))
+        assert layer.static and layer.unusable is None
+    cache.reset()
+    got = _generate(model, other, cache, n=5)
+    assert torch.equal(got, _generate(model, other, StaticQuantizedPagedCache(model, 128, **CFG), n=5))
+
+
 def test_static_layer_keys_equal_the_eager_caches():
     """``layer.keys``/``values`` (the dequantized history) read the device state in static mode."""
     model = tiny_llama()
