@@ -9,7 +9,8 @@ Not part of the ``kivi_cache`` package (which reads nothing outside itself): imp
 * :func:`austen_chapters` reads the Jane Austen chapters (a jsonl of ``{"book", "chapter", "text"}``); by default
   from :func:`austen_path`, ``../shared/data/austen_chapters.jsonl`` beside the checkout, if present.
 * :func:`sample_text` returns the small public-domain sample beside this file (``data/sample.txt``: Pride and
-  Prejudice, chapter 1).
+  Prejudice, chapter 1); ``data/pride_and_prejudice_1-5.txt`` holds chapters 1 to 5 (public domain, Project
+  Gutenberg's text), the long prompt of ``generate.py`` and the text of ``quality.ipynb``.
 * :func:`leading_agreement` counts the leading tokens two generated sequences share.
 
 ``python examples/smollm2.py`` prints the ``--model_args`` that load the same model in ``kivi-lm-eval``
@@ -55,7 +56,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
 
     The GGUF weights (Q4_1) are dequantized to ``dtype``; use float32 on CPU. Nothing is
     downloaded (``HF_HUB_OFFLINE`` is set if unset; the Hub's ``kernels`` layers, on by default from
-    transformers 5.25, are turned off). Takes some 15-45 s on a CPU.
+    transformers 5.25, are turned off). Dequantizing the weights makes loading take a while on a CPU.
     """
     folder, name = smollm2_gguf()
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]

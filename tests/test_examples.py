@@ -26,7 +26,7 @@ def test_generate_example_static_cache_gives_int4_tokens(capsys, monkeypatch, re
     import torch
     from models import unbind_static
 
-    # the session's model (conftest.py) instead of a second load: the example calls load_smollm2(torch.float32)
+    # the model the tests share (conftest.py) instead of a second load: the example calls load_smollm2(torch.float32)
     # of examples/smollm2.py, which is what the fixture returns (load_smollm2 itself runs there)
     model, tok = request.getfixturevalue("smollm2")
 
@@ -39,7 +39,7 @@ def test_generate_example_static_cache_gives_int4_tokens(capsys, monkeypatch, re
         results = generate.main(["--bits", "4", "--static", "--max-new-tokens", "8", "--context-tokens", "200"])
     finally:
         unbind_static(model)  # the static cache bound itself to the shared model's attention modules
-    tokens = {label: toks for label, _, _, toks, _, _ in results}
+    tokens = {run["label"]: run["tokens"] for run in results}
     assert len(tokens) == 3 and all(len(t) == 8 for t in tokens.values())
-    assert tokens["int4 (Int4PagedCache)"] == tokens["int4 static (StaticQuantizedPagedCache)"]
+    assert tokens["int4"] == tokens["int4 static"]
     assert "same tokens as Int4PagedCache: True" in capsys.readouterr().out
