@@ -19,7 +19,7 @@ import torch  # noqa: E402
 # One torch thread on the CPU (KIVI_TEST_THREADS to change it), the project's setting for a shared 2-core box (the
 # scripts' and the notebook's default): the tiny models of most tests run faster single-threaded, a second thread
 # competing with another process for a core slows a SmolLM2 generate several times, and the count does not depend
-# on the order of the files (benchmarks/tests/test_generate.py runs a script's main in-process, which sets its own
+# on the order of the files (benchmarks/tests/test_bench_generate.py runs a script's main in-process, which sets its own
 # count).
 if os.environ.get("KIVI_TEST_GPU") != "1" or "KIVI_TEST_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ.get("KIVI_TEST_THREADS", 1)))
@@ -33,11 +33,18 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _torch_threads():
     """A test that changes the torch thread count does not pass the change on (the scripts' ``main`` call
-    ``torch.set_num_threads``; benchmarks/tests/test_generate.py runs one in-process)."""
+    ``torch.set_num_threads``; benchmarks/tests/test_bench_generate.py runs one in-process)."""
     n = torch.get_num_threads()
     yield
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that uses the SmolLM2 model is ``slow`` (its load alone takes tens of seconds on the CPU)."""
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Backend choice: where the Triton kernels cannot load, a GPU run says so (a warning once, ``kernel_error()``), a
 forced ``"triton"`` backend raises; a configuration the kernels do not cover goes to the torch path, chosen before
-the call. (benchmarks/tests/test_generate.py: the benchmark refuses to time the reference as if it were the
+the call. (benchmarks/tests/test_bench_generate.py: the benchmark refuses to time the reference as if it were the
 kernels.)"""
 
 import warnings

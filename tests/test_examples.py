@@ -1,13 +1,24 @@
 """examples/op_api.py (the op API without transformers) runs and its numbers make sense."""
 
+import importlib.util
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
 
 import op_api  # noqa: E402
+
+
+def _example(name: str):
+    """examples/<name>.py as a fresh module, by path (benchmarks/ has a generate.py too: a plain import could find
+    either, depending on which tests ran first)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.mark.parametrize("bits,bound", [(8, 0.02), (4, 0.2)])
@@ -22,13 +33,13 @@ def test_generate_example_static_cache_gives_int4_tokens(capsys, monkeypatch, re
     """examples/generate.py --static on SmolLM2 (CPU): the static int4 cache runs in generate and gives exactly the
     tokens of Int4PagedCache (fails if the static path stores or attends differently)."""
     pytest.importorskip("gguf")
-    import generate  # examples/generate.py
     import torch
     from models import unbind_static
 
     # the model the tests share (conftest.py) instead of a second load: the example calls load_smollm2(torch.float32)
     # of examples/smollm2.py, which is what the fixture returns (load_smollm2 itself runs there)
     model, tok = request.getfixturevalue("smollm2")
+    generate = _example("generate")
 
     def shared(dtype=torch.float32):
         assert dtype == torch.float32, dtype

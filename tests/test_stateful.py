@@ -63,6 +63,7 @@ import functools
 import os
 import unittest.mock
 
+import pytest
 import torch
 import transformers as T
 from hypothesis import HealthCheck, settings
@@ -932,8 +933,8 @@ def _machine(model: str, setting: str, examples: int):
 
 
 TestLlamaExact = _machine("llama", "exact", 40)
-TestLlamaInt8 = _machine("llama", "int8", 60)
+TestLlamaInt8 = pytest.mark.slow(_machine("llama", "int8", 60))
 TestSlidingExact = _machine("sliding", "exact", 40)
-TestSlidingInt8 = _machine("sliding", "int8", 60)
+TestSlidingInt8 = pytest.mark.slow(_machine("sliding", "int8", 60))
 TestStatic = StaticMachine.TestCase
 TestStatic.settings = _settings(30)

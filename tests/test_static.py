@@ -50,6 +50,7 @@ def _static_on_both_backends(model, ids, cfg, steps: int, check) -> None:
     torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_static_step_on_the_kernels_matches_the_reference():
     """The static step through the Triton kernels (on CPU the interpreter: append_and_flush, then the decode
     kernels) gives the torch reference path's tokens and logits; 40 steps of a batch of 2 with two flushes each
@@ -310,6 +311,7 @@ def _compiled_generate(model, ids, cache, n, chunk):
     return out, backend
 
 
+@pytest.mark.slow
 def test_compiled_generate_with_a_chunked_prompt_matches_eager():
     """generate compiles every prompt chunk's forward too: the chunks run eagerly inside it, the decode steps
     compiled through the static path, and the tokens are those of the eager static and dynamic caches."""
@@ -324,6 +326,7 @@ def test_compiled_generate_with_a_chunked_prompt_matches_eager():
     assert int(cache.layers[0].paged_len.max()) > 0 and cache.layers[0].decoding
 
 
+@pytest.mark.slow
 def test_compiled_chunked_prompt_keeps_dynamo_out_of_the_bookkeeping():
     """A compiled prompt chunk graph-breaks into the eager cache path instead of tracing it: no compiled graph
     holds an operation of kivi_cache, and the graphs compiled do not grow with the number of chunks."""
@@ -560,6 +563,7 @@ def test_static_sliding_layer_reuses_a_ring_of_pages(monkeypatch):
     assert (short - ref).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_static_ring_on_the_kernels_matches_the_reference():
     """The ring of a sliding layer through the Triton kernels (on CPU the interpreter: append_and_flush writing into
     reused pages, the windowed decode kernel reading them): the torch reference path's tokens and logits over 40
