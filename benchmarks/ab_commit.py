@@ -51,7 +51,6 @@ import inspect
 import io
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -61,6 +60,8 @@ import tarfile
 import time
 
 import torch
+from harness import StepClock, machine_info
+from harness import time_alternating as time_ab  # CUDA-graph replays measured in turns
 
 T0 = time.perf_counter()
 SHAPES = "8x8x32768,32x8x32768,8x32x32768,1x8x131072,8x8x131072"
@@ -164,84 +165,6 @@ def kernels_forced(*pkgs):
     finally:
         for p, b in zip(pkgs, prev, strict=True):
             p.set_backend(b)
-
-
-def machine_info(dev) -> dict:
-    import transformers
-    import triton
-
-    info = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, host=platform.node())
-    if dev.type != "cuda":
-        return dict(info, gpu=None, cpu=platform.processor() or platform.machine(),
-                    triton_interpret=os.environ.get("TRITON_INTERPRET"))
-    p = torch.cuda.get_device_properties(dev)
-    info.update(gpu=p.name, sms=p.multi_processor_count, gpu_memory_gib=round(p.total_memory / 2**30, 1),
-                cuda=torch.version.cuda)
-    try:
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, timeout=20).stdout.split()[0]
-    except Exception as exc:  # noqa: BLE001
-        info["driver"] = f"unknown ({type(exc).__name__})"
-    return info
-
-
-def time_ab(fns: dict, dev, reps: int, target_ms: float = 4.0) -> dict:
-    """``{name: [ms per call, one per repetition]}``. GPU: each function, after an eager warm-up call, captured
-    ``calls`` times into a CUDA graph; the graphs replayed alternately, the order reversed every other repetition;
-    GPU time of a replay (CUDA events) / ``calls``. CPU: plain alternating wall-clock calls."""
-    names, out, calls = list(fns), {n: [] for n in fns}, 1
-    if dev.type == "cuda":
-        def clock(fn):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1)
-
-        for fn in fns.values():
-            fn()  # warm-up: compiles, plans, first allocations (outside the graphs)
-        calls = max(5, min(400, int(target_ms / max(min(clock(f) for f in fns.values()), 1e-3))))
-        graphs = {n: torch.cuda.CUDAGraph() for n in names}
-        for n in names:
-            with torch.cuda.graph(graphs[n]):
-                for _ in range(calls):
-                    fns[n]()
-            graphs[n].replay()
-        fns = {n: g.replay for n, g in graphs.items()}
-    else:
-        def clock(fn):
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-    for r in range(reps):
-        for n in names if r % 2 == 0 else names[::-1]:
-            out[n].append(clock(fns[n]) / calls)
-    return out
-
-
-class StepClock:
-    """A logits processor noting when each generated token's logits are ready (CUDA events on a GPU: no sync)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.marks = cuda, []
-
-    def __call__(self, input_ids, scores):
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-        return scores
-
-    def steps_ms(self) -> list:
-        """The intervals between consecutive tokens' logits (one decode step each), the first one left out."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        pairs = list(zip(self.marks[:-1], self.marks[1:], strict=True))
-        d = [a.elapsed_time(b) if self.cuda else (b - a) * 1e3 for a, b in pairs]
-        return d[1:] if len(d) > 2 else d
 
 
 def make_pool(b, hkv, t_quant, d, p, g, kb, vb, dev, gen):

@@ -188,8 +188,7 @@ def shape_rows(args, kk, dev, shape, gen, bw: float, flush) -> list[dict]:
     for name, row in rows.items():
         row["ms_reps"] = [round(t - flush_ms, 6) for t in times[name]]
         row["ms"] = max(H.median(times[name]) - flush_ms, 1e-6)
-        row["TBps"] = row["bytes"] / (row["ms"] * 1e-3) / 1e12
-        row["pct_copy_bw"] = 100 * row["bytes"] / (row["ms"] * 1e-3) / bw
+        H.add_bandwidth(row, bw)
     for row in rows.values():
         row["speedup"] = rows[FP16]["ms"] / row["ms"]
     return list(rows.values())
@@ -203,10 +202,8 @@ def main(argv=None) -> dict:
     out = H.out_path("decode", args, rec)
     bw = H.copy_bandwidth(dev, nbytes=(1 << 22) if args.quick else (4 << 30))
     rec.update(copy_bandwidth_TBps=bw / 1e12, interpreter=kk.interpreting(),
-               timing=("CUDA graph replays" if args.graphs else "eager launches") + " timed with CUDA events, "
-               f"alternating, median of {args.reps} repetitions" + (", L2 flushed before every call (subtracted)"
-                                                                   if args.cold_l2 else "")
-               if dev.type == "cuda" else "CPU wall clock (Triton interpreter): no speed result",
+               timing=H.timing_note(dev, args.graphs, args.reps,
+                                    ", L2 flushed before every call (subtracted)" if args.cold_l2 else ""),
                bytes_note="int: codes + fp16 scales/zeros + fp16 window K/V + q/out + block table; fp16: K + V + "
                           "q/out")
     H.log(f"decode on {rec['machine'].get('gpu') or 'CPU'}: copy bandwidth {bw / 1e12:.3f} TB/s; -> {out}")

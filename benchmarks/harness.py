@@ -214,6 +214,23 @@ def time_alternating(fns: dict, dev: torch.device, reps: int = 20, target_ms: fl
     return out
 
 
+def add_bandwidth(row: dict, bw: float) -> dict:
+    """``row["TBps"]`` and ``row["pct_copy_bw"]`` from its ``bytes`` and ``ms``, against ``bw`` (bytes/s, the copy
+    bandwidth of the same run)."""
+    rate = row["bytes"] / (row["ms"] * 1e-3)
+    row["TBps"] = rate / 1e12
+    row["pct_copy_bw"] = 100 * rate / bw
+    return row
+
+
+def timing_note(dev: torch.device, graphs: bool, reps: int, extra: str = "") -> str:
+    """How ``time_alternating`` timed a run, for the record's ``timing`` field."""
+    if dev.type != "cuda":
+        return "CPU wall clock (Triton interpreter): no speed result"
+    how = "CUDA graph replays" if graphs else "eager launches"
+    return f"{how} timed with CUDA events, alternating, median of {reps} repetitions{extra}"
+
+
 def copy_bandwidth(dev: torch.device, nbytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), the byte ceiling a memory-bound kernel is held to."""
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=dev).uniform_()

@@ -181,8 +181,7 @@ def case_rows(args, kk, dev, b: int, bits: tuple, gen, bw: float) -> list[dict]:
     for op, row in rows.items():
         row["ms_reps"] = [round(t, 6) for t in times[op]]
         row["ms"] = H.median(times[op])
-        row["TBps"] = row["bytes"] / (row["ms"] * 1e-3) / 1e12
-        row["pct_copy_bw"] = 100 * row["bytes"] / (row["ms"] * 1e-3) / bw
+        H.add_bandwidth(row, bw)
     return list(rows.values())
 
 
@@ -194,9 +193,7 @@ def main(argv=None) -> dict:
     out = H.out_path("quantize", args, rec)
     bw = H.copy_bandwidth(dev, nbytes=(1 << 22) if args.quick else (4 << 30))
     rec.update(copy_bandwidth_TBps=bw / 1e12, interpreter=kk.interpreting(),
-               timing=("CUDA graph replays" if args.graphs else "eager launches") + " timed with CUDA events, "
-               f"alternating, median of {args.reps} repetitions"
-               if dev.type == "cuda" else "CPU wall clock (Triton interpreter): no speed result",
+               timing=H.timing_note(dev, args.graphs, args.reps),
                bytes_note="fp16 K/V read + codes and fp16 scales/zeros written (+ append_and_flush: the token's "
                           "write and the window's move)")
     H.log(f"quantize on {rec['machine'].get('gpu') or 'CPU'}: copy bandwidth {bw / 1e12:.3f} TB/s; -> {out}")

@@ -48,8 +48,11 @@ from unittest import mock
 import harness as H
 import torch
 
-if str(H.ROOT) not in sys.path:
-    sys.path.insert(0, str(H.ROOT))
+for _path in (H.ROOT, H.ROOT / "examples"):  # the package; examples/smollm2.py (leading_agreement)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from smollm2 import leading_agreement  # noqa: E402
 
 MISTRAL_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=14336, vocab_size=32000, head_dim=128)
@@ -221,16 +224,6 @@ def cache_bytes(cache) -> int:
         return cache.memory_report().allocated
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                if t is not None)
-
-
-def leading_agreement(a, b) -> int:
-    """How many leading tokens two generated sequences share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def compare_generate(model, dev, caches: dict, prompts, new: int, args, ref: str, emit, weights: int = 0,
