@@ -169,7 +169,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
             fresh = [max(0, min(maxp, h + self.ring) - len(table)) for table, h in zip(self.tables, self.hidden,
                                                                                        strict=True)]
         # exactly the pages missing (a sliding-window layer dropped its sinks after lazy_initialization sized the
-        # pool: a sequence then has more whole groups; allocate() would grow the pool by 1/8 or 16 pages)
+        # pool: a sequence then has more whole groups; allocate() would grow the pool by at least 1/8 of it)
         missing = sum(fresh) - len(self.pool.free)
         if missing > 0:
             self.pool._grow(self.pool.capacity + missing)
