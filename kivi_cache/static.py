@@ -232,17 +232,17 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         """The prompt or a chunk of it, through the host bookkeeping. Never traced: generate compiles the forward
         of every prompt chunk too, and dynamo would otherwise trace (and recompile for each chunk) the lists,
         page allocation and lazy handles; a compiled chunk breaks its graph here and runs this as plain Python."""
-        self.check_step(key_states, value_states)  # before _to_dynamic changes the bookkeeping
-        if self.static:
-            if self.decoding:
-                raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step "
-                                 "is supported (no assisted decoding or chunked continuation); use "
-                                 "QuantizedPagedCache; for another batch of conversations, call cache.reset() (or "
-                                 "make a new cache)")
-            self._to_dynamic()  # another chunk of the prompt (generate's prefill_chunk_size): eager again
+        # every check before _to_dynamic changes the bookkeeping (super().update checks the states again: cheap)
+        self.check_step(key_states, value_states)
+        if self.static and self.decoding:
+            raise ValueError("StaticQuantizedPagedCache: after the prompt, only one token per sequence and step is "
+                             "supported (no assisted decoding or chunked continuation); use QuantizedPagedCache; for "
+                             "another batch of conversations, call cache.reset() (or make a new cache)")
         if self.seen + key_states.shape[2] >= self.max_cache_len:
             raise ValueError(f"the prompt ({self.seen + key_states.shape[2]} tokens) does not fit "
                              f"max_cache_len={self.max_cache_len} (prompt + new tokens)")
+        if self.static:
+            self._to_dynamic()  # another chunk of the prompt (generate's prefill_chunk_size): eager again
         return super().update(key_states, value_states)
 
     def _update_static(self, key_states, value_states):

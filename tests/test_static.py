@@ -576,3 +576,20 @@ def test_static_ring_on_the_kernels_matches_the_reference():
 
     # head_dim 64: one the kernels take
     _static_on_both_backends(_mistral(window=40, head_dim=64), ids, dict(CFG, sink_length=0), 40, check)
+
+
+def test_a_prompt_chunk_past_max_cache_len_changes_nothing():
+    """A further prompt chunk that does not fit max_cache_len is refused before the layer leaves its static state
+    (validate first, then change): the cache stays as the first chunk left it."""
+    from kivi_cache import cache_kwargs
+
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 70), generator=torch.Generator().manual_seed(5))
+    cache = StaticQuantizedPagedCache(model, 64, **CFG)
+    with torch.no_grad():
+        model(ids[:, :20], **cache_kwargs(model, cache))
+        layer = cache.layers[0]
+        before = (layer.static, layer.seen, list(map(list, layer.tables)), layer.paged_lens, layer.window_lens)
+        with pytest.raises(ValueError, match="does not fit"):
+            model(ids[:, 20:], **cache_kwargs(model, cache))
+    assert (layer.static, layer.seen, list(map(list, layer.tables)), layer.paged_lens, layer.window_lens) == before
