@@ -9,6 +9,7 @@ transformers >= 5.24 takes the cache as ``cache=``, earlier versions as ``past_k
 
 from . import hook
 from .cache import Int2PagedCache, Int4PagedCache, Int8PagedCache, QuantizedPagedCache
+from .cb import ContinuousBatchingUnsupported, disable_continuous_batching, enable_continuous_batching
 from .compat import cache_arg_name, cache_kwargs
 from .config import QuantConfig
 from .layer import CacheUnusableError
@@ -35,5 +36,8 @@ __all__ = [
     "get_backend",
     "kernel_error",
     "prefill",
+    "enable_continuous_batching",
+    "disable_continuous_batching",
+    "ContinuousBatchingUnsupported",
 ]
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ from transformers.configuration_utils import PretrainedConfig
 
 from . import checks
 from .batch import repeat_index
-from .config import QuantConfig, _check_int
+from .config import PRESETS, QuantConfig, _check_int
 from .layer import QuantizedPagedLayer, SharedState
 from .memory import MemoryReport
 from .pool import Budget
@@ -264,7 +264,7 @@ class QuantizedPagedCache(Cache):
         return MemoryReport.from_layers(self.layers)
 
 
-INT4_PRESET = dict(key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=4)
+INT4_PRESET = PRESETS["int4"]
 
 
 class Int4PagedCache(QuantizedPagedCache):
@@ -285,15 +285,11 @@ class Int2PagedCache(QuantizedPagedCache):
     ``QuantizedPagedCache(key_bits=2, value_bits=2, sink_length=4)`` (0.375 bytes per element)."""
 
     def __init__(self, **overrides):
-        kw = dict(key_bits=4, value_bits=2, group_size=64, residual_length=128, sink_length=4)
-        kw.update(overrides)
-        super().__init__(**kw)
+        super().__init__(**dict(PRESETS["int2"], **overrides))
 
 
 class Int8PagedCache(QuantizedPagedCache):
     """8-bit keys and values: a reference point, practically lossless."""
 
     def __init__(self, **overrides):
-        kw = dict(key_bits=8, value_bits=8, group_size=32, residual_length=128, sink_length=4)
-        kw.update(overrides)
-        super().__init__(**kw)
+        super().__init__(**dict(PRESETS["int8"], **overrides))

@@ -139,3 +139,20 @@ def _element_size(dtype) -> int:
         raise ValueError(f"dtype must be a floating-point torch.dtype (the model's, e.g. torch.float16), got "
                          f"{dtype!r}")
     return dtype.itemsize
+
+
+#: the presets' settings, by name: the cache classes (``Int8PagedCache``, ``Int4PagedCache``, ``Int2PagedCache``) and
+#: continuous batching (``enable_continuous_batching(model, preset=...)``) read them from here. int2 keeps 4-bit keys:
+#: retrieval needs their precision far more than the values' (docs/quality.md).
+PRESETS = {
+    "int8": dict(key_bits=8, value_bits=8, group_size=32, residual_length=128, sink_length=4),
+    "int4": dict(key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=4),
+    "int2": dict(key_bits=4, value_bits=2, group_size=64, residual_length=128, sink_length=4),
+}
+
+
+def preset_config(name: str, **overrides) -> QuantConfig:
+    """The :class:`QuantConfig` of preset ``name`` (one of :data:`PRESETS`), with ``overrides``."""
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {name!r}")
+    return QuantConfig(**dict(PRESETS[name], **overrides))

@@ -146,6 +146,9 @@ def sdpa_with_sinks(module, query, key, value, attention_mask, dropout: float = 
 def kivi_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            **kwargs):
     """An attention function for transformers' ``AttentionInterface`` (same signature as sdpa's)."""
+    cb_step = kwargs.get("kivi_cb")  # a forward of transformers' continuous batching over quantized pages
+    if cb_step is not None:
+        return _attend_cb(cb_step, module, query, key, value, scaling), None
     sinks = _sink_logits(kwargs)
     # a StaticQuantizedPagedCache bound to this model (an instance attribute it sets; a missing attribute through
     # nn.Module.__getattr__ would raise and catch an exception per layer and step)
@@ -169,6 +172,12 @@ def kivi_attention_forward(module, query, key, value, attention_mask, dropout: f
         fn = _original_sdpa if sinks is None else sdpa_with_sinks
         return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return _attend_handle(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+@torch.compiler.disable
+def _attend_cb(step, module, query, key, value, scaling):
+    """A layer of a continuous-batching forward (:class:`kivi_cache.cb.step.Step`)."""
+    return step.attend(module.layer_idx, query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling)
 
 
 @torch.compiler.disable

@@ -18,6 +18,25 @@ from .config import QuantConfig
 from .kernels.checks import PoolTensors
 
 
+def page_shapes(cfg: QuantConfig, num_heads: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """``{name: (shape, dtype)}`` of one page of each pool tensor (layout: :mod:`kivi_cache.reference`)."""
+    h, d, p, g = num_heads, head_dim, cfg.page_size, cfg.group_size
+    return {
+        "k_codes": ((h, p, d * cfg.key_bits // 8), torch.uint8),
+        "k_scale": ((h, p // g, d), dtype),
+        "k_zero": ((h, p // g, d), dtype),
+        "v_codes": ((h, d, p * cfg.value_bits // 8), torch.uint8),
+        "v_scale": ((h, d // g, p), dtype),
+        "v_zero": ((h, d // g, p), dtype),
+    }
+
+
+def page_nbytes(cfg: QuantConfig, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one page of one layer (keys and values: codes, scales, zero points)."""
+    return sum(torch.Size(shape).numel() * dt.itemsize
+               for shape, dt in page_shapes(cfg, num_heads, head_dim, dtype).values())
+
+
 class Budget:
     """A cache's size budget as the user gave it (``text`` names the parameters), shared by its layers' pools:
     a pool that outgrows its preallocated pages still grows, and the first to do so warns, once per cache."""
@@ -67,18 +86,8 @@ class PagePool:
             setattr(new, name, None if name == "decode_runner" else copy.deepcopy(value, memo))
         return new
 
-    # shapes of one page of each tensor (see reference.py)
     def _page_shapes(self):
-        c, h, d = self.cfg, self.num_heads, self.head_dim
-        p, g = c.page_size, c.group_size
-        return {
-            "k_codes": ((h, p, d * c.key_bits // 8), torch.uint8),
-            "k_scale": ((h, p // g, d), self.dtype),
-            "k_zero": ((h, p // g, d), self.dtype),
-            "v_codes": ((h, d, p * c.value_bits // 8), torch.uint8),
-            "v_scale": ((h, d // g, p), self.dtype),
-            "v_zero": ((h, d // g, p), self.dtype),
-        }
+        return page_shapes(self.cfg, self.num_heads, self.head_dim, self.dtype)
 
     def _grow(self, new_capacity: int) -> None:
         if new_capacity <= self.capacity:
