@@ -17,7 +17,9 @@ auto_switch_to_flash=False)`` and the same workload hints; the cache sizes itsel
 ``--num-blocks`` fixes it), so each row records the tokens its pages hold (``num_blocks * page_size``; ours also keeps
 ``window_slots`` full-precision windows, recorded beside) and their ratio to the fp16 ``sdpa`` case's.
 
-Per case: the engine's own warm-up and a short run of a few other requests on the same manager, then the timed run:
+Per case: the engine's own warm-up and a warm-up run of ``--warmup-requests`` other prompts of the same lengths (16
+new tokens; it meets the batch sizes and lengths for which Triton compiles kernel variants) on the same manager, then
+the timed run:
 generated tokens / wall time, requests / s, median and p90 time to first token (the first streamed output holding a
 token, from the request's submission), the peak of ``torch.cuda.max_memory_allocated`` (weights included; reset before
 the case), the largest number of requests in flight (first token received, not finished) and of requests admitted
@@ -83,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--num-blocks", type=int, default=None, help="a fixed cache size (default: from free memory)")
     ap.add_argument("--seed", type=int, default=0, help="of the prompts")
+    ap.add_argument("--warmup-requests", type=int, default=16,
+                    help="requests of the warm-up run (other prompts of the same lengths, 16 new tokens): it meets "
+                         "the batch sizes and lengths that make Triton compile a kernel variant")
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests, args.min_prompt, args.max_prompt, args.max_new_tokens = 6, 40, 120, 8
@@ -238,7 +243,7 @@ def run_case(model, case: str, args, dev, work: list, warm: list, rep: int) -> d
         t = time.perf_counter()
         manager.warmup()
         manager.start()
-        serve(manager, warm, min(args.max_new_tokens, 8))
+        serve(manager, warm, min(args.max_new_tokens, 16))
         got["warmup_s"] = time.perf_counter() - t
         got["attn"] = model.config._attn_implementation
         with H.progress(total=len(work), desc=f"{case} run {rep + 1}", unit="req",
@@ -318,7 +323,8 @@ def main(argv=None) -> dict:
     out = H.out_path("cb", args, rec)
     H.log(f"cb on {rec['machine'].get('gpu') or 'CPU'}: cases {cases} -> {out}")
     work = prompts(args.num_requests, args.min_prompt, args.max_prompt, cfg.vocab_size, args.seed)
-    warm = prompts(min(4, args.num_requests), args.min_prompt, args.max_prompt, cfg.vocab_size, args.seed + 1)
+    warm = prompts(min(args.warmup_requests, args.num_requests), args.min_prompt, args.max_prompt, cfg.vocab_size,
+                   args.seed + 1)
     rec["prompt_tokens"] = sum(map(len, work))
     runs: dict[str, list] = {}
     start = time.perf_counter()

@@ -537,3 +537,37 @@ def test_static_cache_beam_search_and_reorder_on_the_gpu():
     err = ((static - eager).norm() / eager.norm()).item()
     print(f"static reorder vs eager: logits rel err {err:.2e}; beam tokens equal {torch.equal(beams, ref)}")
     assert torch.equal(beams, ref) and err < 2e-3
+
+
+@pytest.mark.skipif(kivi_cache.cb.unsupported_reason() is not None,
+                    reason=str(kivi_cache.cb.unsupported_reason()))
+@pytest.mark.parametrize("preset", ["int4", "int2"])
+def test_continuous_batching_on_the_gpu_equals_chunked_generate(preset):
+    """transformers' continuous-batching engine on quantized pages (decode through the Triton kernels, later prompt
+    chunks through the prefix op) gives for a request the tokens of the same prompt stored by 64-token chunks
+    (kivi_cache.prefill) and decoded by generate with the preset's cache. (Served together, a request's chunks
+    start wherever the batch's token budget leaves room, so the quantized history its chunks see differs.)"""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = tiny_llama_d64().to("cuda", torch.float16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (257, 321, 90, 1)]
+    gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cache_cls = {"int4": kivi_cache.Int4PagedCache, "int2": kivi_cache.Int2PagedCache}[preset]
+    want = []
+    for p in prompts:
+        x = torch.tensor([p], device="cuda")
+        cache = cache_cls()
+        if len(p) > 1:
+            kivi_cache.prefill(model, cache, x, chunk_size=64)
+        with torch.no_grad():
+            want.append(model.generate(x, generation_config=gen, **cache_kwargs(model, cache))[0, len(p):].tolist())
+    kivi_cache.enable_continuous_batching(model, preset=preset)
+    try:
+        got = [next(iter(model.generate_batch([p], generation_config=gen, continuous_batching_config=(
+            ContinuousBatchingConfig(page_size=64, num_blocks=64, max_batch_tokens=64))).values())).generated_tokens
+            for p in prompts]
+    finally:
+        kivi_cache.disable_continuous_batching(model)
+    assert got == want
