@@ -211,12 +211,11 @@ class KiviPagedAttentionCache(PagedAttentionCache):
             self.free_slots.append(slot)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        """Every request's blocks and window slot free (the engine's reset, also after a failed step: with no request
+        left, nothing stored can disagree)."""
         super().free_all_requests(clear_ledgers)
         self.slot_of.clear()
         self.free_slots = list(range(self.window_slots - 1, -1, -1))
-
-    def reset(self) -> None:
-        super().reset()
         self._rows, self._step, self.error = None, None, None
         self._pending_window_copies.clear()
 
@@ -262,7 +261,7 @@ class KiviPagedAttentionCache(PagedAttentionCache):
         the step attends and then stores the layer's new tokens. Keys and values are returned as given."""
         if self.error is not None:
             raise RuntimeError("kivi_cache: an earlier step failed midway, so the stored windows and pages disagree; "
-                               "the engine must reset the cache") from self.error
+                               "the cache serves no step until its requests are freed (reset)") from self.error
         if self._rows is not None:
             self._step = Step(self, self._rows)
             self._rows = None

@@ -15,8 +15,8 @@ calls :meth:`Step.attend` through the attention hook, which attends and stores t
   for the pages (:func:`kivi_cache.ops.quantize_and_write`), the rule of :mod:`kivi_cache.window`.
 
 Rows are distinct requests, so a layer's order of rows changes nothing. A failure midway leaves some layers stored
-and others not: the cache refuses further steps (``KiviPagedAttentionCache.error``) and the engine fails the
-batch's requests.
+and others not: the cache refuses further steps (``KiviPagedAttentionCache.error``) until its ``reset()``, and the
+engine's loop stops and fails its requests.
 """
 
 from __future__ import annotations
