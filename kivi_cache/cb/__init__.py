@@ -11,8 +11,9 @@ cancellation, streaming, sampling, stop tokens, forks, eviction under memory pre
 :class:`~kivi_cache.cb.cache.KiviPagedAttentionCache`: quantized pages and a full-precision window per request.
 
 Supported: transformers >= 5.24 (whose models hand the engine's arguments to the cache's ``update``), decoder
-models whose layers are all full attention. Refused with an error naming the feature: sliding-window or hybrid
-models, latent attention (MLA), tensor parallelism, CPU offloading (``cpu_offload_space > 0``), asynchronous
+models whose layers are all full attention, also under tensor parallelism (``tp_plan="auto"``: each rank holds its
+KV heads' pages and windows). Refused with an error naming the feature: sliding-window or hybrid
+models, latent attention (MLA), CPU offloading (``cpu_offload_space > 0``), asynchronous
 batching, CUDA graphs and compiled steps of the engine. Prefix sharing is off (a block's pages do not hold the
 token range the engine hashes).
 """
@@ -68,9 +69,6 @@ def _check_model(model, quant: QuantConfig) -> None:
     if getattr(config, "kv_lora_rank", None) is not None:
         raise ContinuousBatchingUnsupported("continuous batching on quantized pages does not serve latent attention "
                                             "(MLA, kv_lora_rank)")
-    if getattr(model, "_device_mesh", None) is not None:
-        raise ContinuousBatchingUnsupported("continuous batching on quantized pages does not serve tensor "
-                                            "parallelism (tp_plan)")
     if getattr(config, "attn_logit_softcapping", None):
         raise ContinuousBatchingUnsupported("continuous batching on quantized pages does not serve attention "
                                             "soft-capping (attn_logit_softcapping)")

@@ -135,6 +135,13 @@ class KiviPagedAttentionCache(PagedAttentionCache):
         self.max_blocks_per_request = 0
         num_heads = find_num_key_value_heads(config)
         head_dim = find_head_dim(config)
+        kv_tp_size = 1  # tensor parallelism (tp_plan): each rank holds its share of the KV heads, as the engine's cache
+        if distributed_helper.tp_size > 1 and distributed_helper.are_kv_heads_tp_ed():
+            kv_tp_size = distributed_helper.tp_size
+            if num_heads % kv_tp_size:
+                raise ValueError(f"the model's {num_heads} KV heads do not split over tensor-parallel size "
+                                 f"{kv_tp_size}")
+            num_heads //= kv_tp_size
         layers = list(range(config.num_hidden_layers))
         self.num_heads, self.head_dim = num_heads, head_dim
         allocator = KiviAllocator(quant, layers, num_heads, head_dim, dtype)
@@ -152,7 +159,11 @@ class KiviPagedAttentionCache(PagedAttentionCache):
             config=config, cb_config=cb, dtype=dtype, bytes_per_sector=self.bytes_per_sector,
             tokens_per_sector=self.tokens_per_sector, bytes_per_block=allocator.bytes_per_block,
             attn_types=[allocator.layer_type], model_supports_logits_to_keep=model_supports_logits_to_keep,
-            window_bytes=window_bytes).infer_max_batch_tokens_and_num_sectors()
+            kv_tp_size=kv_tp_size, window_bytes=window_bytes).infer_max_batch_tokens_and_num_sectors()
+        if distributed_helper.tp_size > 1:  # every rank the same sizes (the smallest)
+            sync = torch.tensor([self.max_batch_tokens, self.num_sectors], device=self.device, dtype=torch.int64)
+            distributed_helper.tp_all_reduce_min(sync)
+            self.max_batch_tokens, self.num_sectors = int(sync[0]), int(sync[1])
         self.pool = CachePool(self.num_sectors, 1, num_reserved_sectors=0)
         allocator.register(self.num_sectors, self.pool, self.device)
         self.num_blocks = self.num_sectors
