@@ -66,6 +66,8 @@ class QuantizedPagedCache(Cache):
             needs, usually the prompt's pages, later by at least 1/8 of the pool). A cache that needs more still
             grows, and warns once.
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
+        rotate: ``"keys"``, ``"values"``, ``"both"`` (``True``) or ``"none"``: store them rotated by a Hadamard
+            matrix (outlier channels spread before quantization; attention unchanged: :mod:`kivi_cache.rotation`).
         config: optional model config, checked up front for attention the cache does not support (layer types
             other than full and sliding-window attention, e.g. chunked attention or state-space layers); with
             ``max_batch_size``/``max_cache_len`` it also sizes the pools of sliding-window layers, which hold
@@ -78,13 +80,13 @@ class QuantizedPagedCache(Cache):
 
     def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 32, residual_length: int = 128,
                  page_size: int = 64, num_pages: int = 0, sink_length: int = 0, config=None,
-                 max_batch_size: int | None = None, max_cache_len: int | None = None):
+                 max_batch_size: int | None = None, max_cache_len: int | None = None, rotate: str | bool = "none"):
         if (max_batch_size is None) != (max_cache_len is None):
             raise ValueError("give max_batch_size and max_cache_len together (both or neither), got "
                              f"max_batch_size={max_batch_size!r}, max_cache_len={max_cache_len!r}")
         quant_config = QuantConfig(key_bits=key_bits, value_bits=value_bits, group_size=group_size,
                                    residual_length=residual_length, page_size=page_size, num_pages=num_pages,
-                                   sink_length=sink_length)
+                                   sink_length=sink_length, rotate=rotate)
         if max_batch_size is not None:
             if num_pages:
                 raise ValueError(f"give either num_pages ({num_pages}) or max_batch_size/max_cache_len, not both")

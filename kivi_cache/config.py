@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .kernels.checks import ALLOWED_BITS  # the code widths the ops accept (one definition, with their checks)
+from .rotation import ROTATE
+from .rotation import check_head_dim as _check_rotation
 from .window import window_append
 
 
@@ -34,6 +36,9 @@ class QuantConfig:
     num_pages: pages to preallocate per layer (0 = grow on demand).
     sink_length: the first tokens of every sequence kept in full precision for
         good (attention sinks); they live at the front of the residual window.
+    rotate: ``"none"``, ``"keys"``, ``"values"`` or ``"both"`` (``True``: both): store keys and/or values
+        multiplied by a Hadamard matrix, which spreads outlier channels before quantization; attention is unchanged
+        (:mod:`kivi_cache.rotation`). Served by the eager cache (``QuantizedPagedCache``).
     """
 
     key_bits: int = 4
@@ -43,8 +48,13 @@ class QuantConfig:
     page_size: int = 64
     num_pages: int = 0
     sink_length: int = 0
+    rotate: str = "none"
 
     def __post_init__(self) -> None:
+        if self.rotate is True or self.rotate is False:
+            object.__setattr__(self, "rotate", "both" if self.rotate else "none")
+        if self.rotate not in ROTATE:
+            raise ValueError(f"rotate must be one of {ROTATE} or a bool, got {self.rotate!r}")
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
             if type(value) is not int or value not in ALLOWED_BITS:
@@ -77,6 +87,8 @@ class QuantConfig:
                 f"group_size={self.group_size} must divide the model's head_dim={head_dim} "
                 f"(values are grouped per token over channels); choose a group_size that divides {head_dim}"
             )
+        if self.rotate != "none":
+            _check_rotation(head_dim)
         for name in ("key_bits", "value_bits"):
             per_byte = 8 // getattr(self, name)
             if head_dim % per_byte:

@@ -35,7 +35,7 @@ import dataclasses
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import checks, ops
+from . import checks, ops, rotation
 from .batch import as_int, batch_index, repeat_index
 from .config import QuantConfig
 from .handles import KVHandle, PendingStep
@@ -76,6 +76,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         self.masks = self.shared.masks
         self._bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         self.pool: PagePool | None = None
+        self.rot_k = self.rot_v = None  # Hadamard matrices where cfg.rotate asks (set with the first states)
         # the model layer's sliding window (None: full attention), learned from the attention hook
         # (use_sliding_window); the layer then keeps no sink tokens
         self.sliding_window: int | None = None
@@ -146,6 +147,10 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         self.pads = [0] * b
         self.sinks = [0] * b
         self.hidden = [0] * b
+        rot = self.cfg.rotate
+        h_mat = None if rot == "none" else rotation.hadamard(d, self.dtype, self.device)
+        self.rot_k = h_mat if rot in ("keys", "both") else None  # stored keys are k @ rot_k (kivi_cache.rotation)
+        self.rot_v = h_mat if rot in ("values", "both") else None
         cap = capacity(self.cfg.sink_length, self.cfg.residual_length, self.cfg.group_size)
         self.res_k = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)
         self.res_v = torch.zeros_like(self.res_k)
@@ -158,6 +163,10 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)  # checks the heads of values against keys first
         if self.pending is not None:
             self.commit(self.pending)  # the last step's attention never read its handles
+        if self.rot_k is not None:
+            key_states = key_states @ self.rot_k
+        if self.rot_v is not None:
+            value_states = value_states @ self.rot_v
         b, h, n, d = key_states.shape
         step = PendingStep(self, key_states, value_states)
         self.pending = step
@@ -219,7 +228,15 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
                window: int | None = None, sink_logits=None, **kwargs) -> torch.Tensor:
         """Attention for the step's queries ``[B, Hq, L, D]``; returns ``[B, L, Hq, D]``. ``window``: the layer's
         sliding window (the hook passes it once :meth:`use_sliding_window` accepted it); ``sink_logits``: learned
-        attention sinks (``[Hq]``; ``sdpa_fn`` computes them itself from ``kwargs``)."""
+        attention sinks (``[Hq]``; ``sdpa_fn`` computes them itself from ``kwargs``). With rotated keys the queries
+        are rotated alike, with rotated values the output is turned back (:mod:`kivi_cache.rotation`)."""
+        if self.rot_k is not None:
+            query = query @ self.rot_k
+        out = self._attend(step, query, attention_mask, scaling, sdpa_fn, module, window, sink_logits, **kwargs)
+        return out if self.rot_v is None else out @ self.rot_v
+
+    def _attend(self, step: PendingStep, query: torch.Tensor, attention_mask, scaling: float, sdpa_fn, module,
+                window: int | None, sink_logits, **kwargs) -> torch.Tensor:
         n = query.shape[2]
         valid = self.masks.valid_tokens(attention_mask, n, self.batch_size)
         bits = self._bits
@@ -266,10 +283,14 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         n = step.key.shape[2]
         if n == 1:
             self.commit(step, valid)
-            return self._stored_layout(self.seen)
+            return self._unrotated(*self._stored_layout(self.seen))
         k, v = self._stored_layout(self.seen - n, tail=(step.key, step.value))
         self.commit(step, valid)
-        return k, v
+        return self._unrotated(k, v)
+
+    def _unrotated(self, k, v):
+        """Stored (possibly rotated) keys and values in the model's own basis."""
+        return (k if self.rot_k is None else k @ self.rot_k), (v if self.rot_v is None else v @ self.rot_v)
 
     # --------------------------------------- DynamicLayer's keys/values, for code that reads a layer's tensors
     @property
@@ -307,8 +328,9 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         self.check_usable()
         step = self.pending
         if step is None:
-            return self._stored_layout(self.seen)[which]
-        return self._stored_layout(self.seen - step.key.shape[2], tail=(step.key, step.value))[which]
+            return self._unrotated(*self._stored_layout(self.seen))[which]
+        return self._unrotated(*self._stored_layout(self.seen - step.key.shape[2],
+                                                    tail=(step.key, step.value)))[which]
 
     def _stored_layout(self, length: int, tail=None):
         """Stored tokens dequantized, right-aligned in a ``[B, H, length, D]`` timeline (pads as zeros); ``tail``:

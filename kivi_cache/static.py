@@ -433,6 +433,9 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
     def __init__(self, model, max_cache_len: int, **quant):
         _check_int("max_cache_len", max_cache_len, 1)
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
+        if self.quant_config.rotate != "none":
+            raise ValueError(f"StaticQuantizedPagedCache does not serve rotate={self.quant_config.rotate!r} (its "
+                             f"compiled step reads the stored basis); use QuantizedPagedCache(rotate=...)")
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"StaticQuantizedPagedCache needs a model that routes attention through transformers' "
