@@ -47,6 +47,26 @@ def _check_model_config(config) -> None:
             f"config has layer_types {unsupported}. Use transformers' DynamicCache for this model.")
 
 
+def _check_layer_bits(layer_bits, base: QuantConfig) -> list:
+    """``layer_bits`` as a list of ``(key_bits, value_bits)``, one per layer, each checked as a QuantConfig (``[]``
+    for None)."""
+    if layer_bits is None:
+        return []
+    if isinstance(layer_bits, (str, bytes)) or not hasattr(layer_bits, "__len__") or not len(layer_bits):
+        raise ValueError(f"layer_bits must be a non-empty list of (key_bits, value_bits) pairs, one per layer, or "
+                         f"None; got {layer_bits!r}")
+    out = []
+    for i, pair in enumerate(layer_bits):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"layer_bits[{i}] must be a (key_bits, value_bits) pair, got {pair!r}")
+        try:
+            dataclasses.replace(base, key_bits=pair[0], value_bits=pair[1])
+        except ValueError as exc:
+            raise ValueError(f"layer_bits[{i}]: {exc}") from None
+        out.append((pair[0], pair[1]))
+    return out
+
+
 class QuantizedPagedCache(Cache):
     """A 2/4/8-bit quantized, paged KV cache (KIVI: keys per channel, values per token).
 
@@ -68,6 +88,9 @@ class QuantizedPagedCache(Cache):
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
         rotate: ``"keys"``, ``"values"``, ``"both"`` (``True``) or ``"none"``: store them rotated by a Hadamard
             matrix (outlier channels spread before quantization; attention unchanged: :mod:`kivi_cache.rotation`).
+        layer_bits: ``[(key_bits, value_bits), ...]``, one pair per model layer: each layer's own code widths (the
+            other settings are shared; ``key_bits``/``value_bits`` are then unused). A model with more layers than pairs
+            is refused at its first step.
         config: optional model config, checked up front for attention the cache does not support (layer types
             other than full and sliding-window attention, e.g. chunked attention or state-space layers); with
             ``max_batch_size``/``max_cache_len`` it also sizes the pools of sliding-window layers, which hold
@@ -80,7 +103,8 @@ class QuantizedPagedCache(Cache):
 
     def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 32, residual_length: int = 128,
                  page_size: int = 64, num_pages: int = 0, sink_length: int = 0, config=None,
-                 max_batch_size: int | None = None, max_cache_len: int | None = None, rotate: str | bool = "none"):
+                 max_batch_size: int | None = None, max_cache_len: int | None = None, rotate: str | bool = "none",
+                 layer_bits=None):
         if (max_batch_size is None) != (max_cache_len is None):
             raise ValueError("give max_batch_size and max_cache_len together (both or neither), got "
                              f"max_batch_size={max_batch_size!r}, max_cache_len={max_cache_len!r}")
@@ -95,6 +119,7 @@ class QuantizedPagedCache(Cache):
             pages = max_batch_size * quant_config.pages_per_sequence(max_cache_len)
             quant_config = dataclasses.replace(quant_config, num_pages=pages)
         self.quant_config = quant_config
+        self._layer_bits = _check_layer_bits(layer_bits, quant_config)  # per layer (key_bits, value_bits), or []
         self._layer_configs: list = []  # per layer, where it differs from quant_config (sliding layers' pools)
         self._record_past = False  # activate_past_recording was called (layers made later record too)
         # one per cache: its layers read each forward's mask once, fail together, warn once past the size budget
@@ -103,6 +128,10 @@ class QuantizedPagedCache(Cache):
         self._shared = SharedState(None if budget is None else Budget(budget))
         if config is not None:
             _check_model_config(config)
+            layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+            if self._layer_bits and isinstance(layers, int) and len(self._layer_bits) != layers:
+                raise ValueError(f"layer_bits gives {len(self._layer_bits)} layers' bits for a model of {layers} "
+                                 f"layers: give one (key_bits, value_bits) per layer")
             if max_batch_size is not None:
                 self._layer_configs = [
                     None if w is None else dataclasses.replace(
@@ -125,13 +154,29 @@ class QuantizedPagedCache(Cache):
         if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
             checks.check_states(key_states, value_states)  # before any state changes
             self.quant_config.check_head_dim(key_states.shape[-1])
+        if self._layer_bits and layer_idx >= len(self._layer_bits):
+            exc = ValueError(f"layer_bits gives {len(self._layer_bits)} layers' bits, but the model has a layer "
+                             f"{layer_idx}: give one (key_bits, value_bits) per layer (or config=model.config, "
+                             f"which checks the count up front)")
+            if layer_idx:  # the earlier layers stored this forward's tokens
+                self._mark_unusable("a forward", exc)
+            raise exc
         while len(self.layers) <= layer_idx:
             i = len(self.layers)
-            own = self._layer_configs[i] if i < len(self._layer_configs) else None
-            self.layers.append(QuantizedPagedLayer(own or self.quant_config, self._shared))
+            self.layers.append(QuantizedPagedLayer(self.layer_config(i), self._shared))
             if self._record_past:
                 self.layers[-1].activate_past_recording()
         return self._update_layer(layer_idx, key_states, value_states)
+
+    def layer_config(self, i: int) -> QuantConfig:
+        """Layer ``i``'s settings: ``quant_config`` with the layer's own bits (``layer_bits``) and pool size (a
+        sliding-window layer's, with ``config`` and ``max_batch_size``)."""
+        own = self._layer_configs[i] if i < len(self._layer_configs) else None
+        cfg = own or self.quant_config
+        if i < len(self._layer_bits):
+            kb, vb = self._layer_bits[i]
+            cfg = dataclasses.replace(cfg, key_bits=kb, value_bits=vb)
+        return cfg
 
     def _check_lengths(self) -> None:
         """At a forward's first layer: every layer holds the same number of tokens, else the last forward stopped part

@@ -37,6 +37,7 @@ the benchmarks' documentation.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -446,8 +447,11 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         if impl not in ("sdpa", hook.NAME):
             raise ValueError(f"StaticQuantizedPagedCache needs attn_implementation 'sdpa' or '{hook.NAME}', got "
                              f"{impl!r}; load the model with attn_implementation='sdpa' or use QuantizedPagedCache")
-        self.layers = [StaticQuantizedPagedLayer(self.quant_config, max_cache_len, shared=self._shared)
-                       for _ in range(text.num_hidden_layers)]
+        if self._layer_bits and len(self._layer_bits) != text.num_hidden_layers:
+            raise ValueError(f"layer_bits gives {len(self._layer_bits)} layers' bits for a model of "
+                             f"{text.num_hidden_layers} layers: give one (key_bits, value_bits) per layer")
+        self.layers = [StaticQuantizedPagedLayer(self._static_config(i), max_cache_len, shared=self._shared)
+                       for i in range(text.num_hidden_layers)]
         bound = 0
         # each layer's attention modules (weak references: a deepcopy of the cache keeps them, not copies of the
         # model), which update() binds to the cache in use again (a copy, or an earlier cache used once more)
@@ -466,6 +470,13 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
         if bound != text.num_hidden_layers:
             raise ValueError(f"StaticQuantizedPagedCache found {bound} attention modules with a layer_idx for "
                              f"{text.num_hidden_layers} layers; this model is not supported")
+
+    def _static_config(self, i: int):
+        """Layer ``i``'s settings: the cache's, with the layer's own bits (``layer_bits``)."""
+        if i < len(self._layer_bits):
+            kb, vb = self._layer_bits[i]
+            return dataclasses.replace(self.quant_config, key_bits=kb, value_bits=vb)
+        return self.quant_config
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if torch.compiler.is_compiling():
