@@ -36,7 +36,7 @@ CACHES = ("fp16", "kivi-int4", "kivi-int2", "quanto-int4", "quanto-int2")
 # compiled decoding (opt-in with --caches): generate compiles the decode step of a compileable cache on its own
 STATIC_CACHES = ("fp16-static", "kivi-int4-static")
 # opt-in variants of the kivi presets
-EXTRA_CACHES = ("kivi-kv2", "kivi-int4-r32", "kivi-kv2-r32", "kivi-int4-g64")
+EXTRA_CACHES = ("kivi-kv2", "kivi-int4-r32", "kivi-kv2-r32", "kivi-int4-g64", "kivi-int2-rot", "kivi-kv2-rot")
 ALL_CACHES = CACHES + STATIC_CACHES + EXTRA_CACHES
 KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
                 # 2-bit keys and values, group 32, 4 sinks (0.375 bytes per element; Int2PagedCache keeps 4-bit keys)
@@ -47,7 +47,11 @@ KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
                 "kivi-kv2-r32": functools.partial(QuantizedPagedCache, key_bits=2, value_bits=2, group_size=32,
                                                   residual_length=32, sink_length=4),
                 # 64-token / 64-channel groups: fewer scale and zero-point bytes than group 32
-                "kivi-int4-g64": functools.partial(Int4PagedCache, group_size=64)}
+                "kivi-int4-g64": functools.partial(Int4PagedCache, group_size=64),
+                # keys and values stored Hadamard-rotated (queries rotated, outputs turned back: QuantConfig.rotate)
+                "kivi-int2-rot": functools.partial(Int2PagedCache, rotate="both"),
+                "kivi-kv2-rot": functools.partial(QuantizedPagedCache, key_bits=2, value_bits=2, group_size=32,
+                                                  residual_length=128, sink_length=4, rotate="both")}
 
 
 def log(*a):
