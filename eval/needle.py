@@ -95,7 +95,8 @@ def make_cache(name: str):
     """``fp``, the presets ``int8``/``int4``/``int2`` (as the library defines them now),
     ``int4-nosink``/``int2-nosink`` (group 32, residual 128, no full-precision sink tokens), or
     ``kivi:ARGS`` with QuantizedPagedCache keyword arguments, e.g.
-    ``kivi:key_bits=4+value_bits=2+group_size=64+sink_length=4`` (``+`` between arguments)."""
+    ``kivi:key_bits=4+value_bits=2+group_size=64+sink_length=4+rotate=both`` (``+`` between arguments; whole
+    numbers become ints)."""
     from transformers import DynamicCache
 
     import kivi_cache
@@ -104,7 +105,8 @@ def make_cache(name: str):
         kw = {}
         for item in name[5:].split("+"):
             key, _, value = item.partition("=")
-            kw[key.strip()] = int(value)
+            value = value.strip()
+            kw[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
         return kivi_cache.QuantizedPagedCache(**kw)
 
     if name.endswith("-nosink"):
