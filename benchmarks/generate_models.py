@@ -36,7 +36,8 @@ CACHES = ("fp16", "kivi-int4", "kivi-int2", "quanto-int4", "quanto-int2")
 # compiled decoding (opt-in with --caches): generate compiles the decode step of a compileable cache on its own
 STATIC_CACHES = ("fp16-static", "kivi-int4-static")
 # opt-in variants of the kivi presets
-EXTRA_CACHES = ("kivi-kv2", "kivi-int4-r32", "kivi-kv2-r32", "kivi-int4-g64", "kivi-int2-rot", "kivi-kv2-rot")
+EXTRA_CACHES = ("kivi-kv2", "kivi-int4-r32", "kivi-kv2-r32", "kivi-int4-g64", "kivi-int2-rot", "kivi-kv2-rot",
+                "kivi-int2-static", "kivi-int2-rot-static")
 ALL_CACHES = CACHES + STATIC_CACHES + EXTRA_CACHES
 KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
                 # 2-bit keys and values, group 32, 4 sinks (0.375 bytes per element; Int2PagedCache keeps 4-bit keys)
@@ -264,6 +265,12 @@ def make_cache(name: str, model, batch: int, total_len: int, args, quanto_info: 
         from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415
 
         return StaticQuantizedPagedCache(model, total_len)
+    if name in ("kivi-int2-static", "kivi-int2-rot-static"):  # the Int2 preset compiled; -rot-: rotated keys, values
+        from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415
+        from kivi_cache.config import PRESETS  # noqa: PLC0415
+
+        return StaticQuantizedPagedCache(model, total_len, **PRESETS["int2"],
+                                         rotate="both" if "-rot-" in name else "none")
     if name.startswith("quanto-"):
         if not quanto_info["available"]:
             raise ImportError(quanto_info["error"])

@@ -38,7 +38,8 @@ class QuantConfig:
         good (attention sinks); they live at the front of the residual window.
     rotate: ``"none"``, ``"keys"``, ``"values"`` or ``"both"`` (``True``: both): store keys and/or values
         multiplied by a Hadamard matrix, which spreads outlier channels before quantization; attention is unchanged
-        (:mod:`kivi_cache.rotation`). Served by the eager cache (``QuantizedPagedCache``).
+        (:mod:`kivi_cache.rotation`). Served by ``QuantizedPagedCache`` and ``StaticQuantizedPagedCache``; continuous
+        batching refuses it.
     """
 
     key_bits: int = 4

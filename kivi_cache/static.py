@@ -272,6 +272,10 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
                                  f"for another batch")
         if key_states.requires_grad or value_states.requires_grad:  # the cache keeps data, not graphs
             key_states, value_states = key_states.detach(), value_states.detach()
+        if self.rot_k is not None:  # stored rotated, as the eager path stores them (kivi_cache.rotation)
+            key_states = key_states @ self.rot_k
+        if self.rot_v is not None:
+            value_states = value_states @ self.rot_v
         cfg, g = self.cfg, self.cfg.group_size
         torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.window_len,
                                               self.sink_len, self.paged_len, self.block_table, *self.pool.args(),
@@ -316,11 +320,13 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
 
     def attend_static(self, query: torch.Tensor, scaling: float, sink_logits=None) -> torch.Tensor:
         cfg = self.cfg
+        if self.rot_k is not None:
+            query = query @ self.rot_k
         out = torch.ops.kivi_cache.paged_decode_attention(
             query[:, :, 0].contiguous(), self.block_table, self.paged_len, *self.pool.args(), self.res_k, self.res_v,
             self.window_len, cfg.key_bits, cfg.value_bits, cfg.group_size, float(scaling), self.sliding_window or 0,
             None if sink_logits is None else sink_logits.detach())
-        return out[:, None]
+        return out[:, None] if self.rot_v is None else out[:, None] @ self.rot_v
 
     def get_seq_length(self):
         if self.unusable is not None:
@@ -434,9 +440,6 @@ class StaticQuantizedPagedCache(QuantizedPagedCache):
     def __init__(self, model, max_cache_len: int, **quant):
         _check_int("max_cache_len", max_cache_len, 1)
         super().__init__(config=model.config, **dict(INT4_PRESET, **quant))
-        if self.quant_config.rotate != "none":
-            raise ValueError(f"StaticQuantizedPagedCache does not serve rotate={self.quant_config.rotate!r} (its "
-                             f"compiled step reads the stored basis); use QuantizedPagedCache(rotate=...)")
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"StaticQuantizedPagedCache needs a model that routes attention through transformers' "
