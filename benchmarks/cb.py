@@ -107,19 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_model(args, dev: torch.device):
     """A Llama with random weights, fp16 on a GPU (fp32 on the CPU), built on the device (no download)."""
+    import sliding  # noqa: PLC0415  (benchmarks/sliding.py: model_with, shared by the scripts that build a model)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**(TINY if args.quick else LLAMA3_8B), max_position_embeddings=131072, attn_implementation="sdpa",
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16 if dev.type == "cuda" else torch.float32)
-    try:
-        with torch.device(dev):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    return model.eval().requires_grad_(False)
+    return sliding.model_with(LlamaForCausalLM, cfg, dev, torch.float16 if dev.type == "cuda" else torch.float32)
 
 
 def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -342,10 +335,7 @@ def main(argv=None) -> dict:
             H.save(out, rec)
     rec["rows"] = rows_of(runs, cases, args)
     rec["complete"] = "stopped_early" not in rec
-    H.save(out, rec)
-    print(H.table(rec["rows"], COLS))
-    H.log(f"saved {out}")
-    return rec
+    return H.finish(out, rec, COLS)
 
 
 if __name__ == "__main__":

@@ -159,10 +159,7 @@ def main(argv=None, loaded=None) -> dict:
         if model.config._attn_implementation != attn_before:
             model.set_attn_implementation(attn_before)
     rec["complete"] = True
-    H.save(out, rec)
-    print(H.table(rec["rows"], COLS))
-    H.log(f"saved {out}")
-    return rec
+    return H.finish(out, rec, COLS)
 
 
 if __name__ == "__main__":

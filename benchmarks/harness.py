@@ -127,6 +127,14 @@ def save(path: str | os.PathLike, rec: dict) -> None:
     tmp.replace(path)
 
 
+def finish(path: str | os.PathLike, rec: dict, cols: list[tuple[str, str, str]]) -> dict:
+    """The end of a run: ``rec`` saved, its rows printed as a table, the path logged; returns ``rec``."""
+    save(path, rec)
+    print(table(rec["rows"], cols))
+    log(f"saved {path}")
+    return rec
+
+
 def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     """Rows as a fixed-width table: ``cols`` = [(key, header, format spec)], e.g. ``("ms", "ms", ".4f")``; a missing
     or None value prints ``-``."""
