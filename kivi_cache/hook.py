@@ -22,7 +22,9 @@ a layer already holding sink tokens once the sequence reaches the window) get
 the materialized full-precision history and the original function: slower,
 never wrong.
 Any other implementation (``eager``, flash) materializes through the handle
-the same way. Attention over a handle is
+the same way. In transformers' continuous batching over quantized pages the
+cache's ``update`` leaves the forward's step in the kwargs (``kivi_cb``), and the
+wrapper hands the layer to it (:mod:`kivi_cache.cb.step`). Attention over a handle is
 host bookkeeping that ``torch.compile`` must not trace: it is
 ``torch.compiler.disable``'d (a compiled forward breaks its graph there and runs
 it as plain Python); only a static cache's decode step is traced.
