@@ -11,6 +11,8 @@ sys.path.insert(0, EXAMPLES)
 
 import op_api  # noqa: E402
 
+import kivi_cache  # noqa: E402
+
 
 def _example(name: str):
     """examples/<name>.py as a fresh module, by path (benchmarks/ has a generate.py too: a plain import could find
@@ -54,3 +56,25 @@ def test_generate_example_static_cache_gives_int4_tokens(capsys, monkeypatch, re
     assert len(tokens) == 3 and all(len(t) == 8 for t in tokens.values())
     assert tokens["int4"] == tokens["int4 static"]
     assert "same tokens as Int4PagedCache: True" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(kivi_cache.cb.unsupported_reason() is not None, reason=str(kivi_cache.cb.unsupported_reason()))
+def test_serve_example_streams_requests_through_both_caches(capsys, monkeypatch, request):
+    """examples/serve.py on SmolLM2 (CPU): a stream of requests served by the engine's cache and by int8 pages;
+    int8 gives the full-precision engine's tokens (near-lossless), and the pages hold more tokens in the same
+    bytes."""
+    pytest.importorskip("gguf")
+    import torch
+
+    model, tok = request.getfixturevalue("smollm2")
+    serve = _example("serve")
+
+    def shared(dtype=torch.float32):
+        assert dtype == torch.float32, dtype
+        return model, tok
+
+    monkeypatch.setattr(serve, "load_smollm2", shared)
+    res = serve.main(["--preset", "int8", "--requests", "4", "--new-tokens", "8", "--arrival", "0.05",
+                      "--max-prompt", "200"])
+    assert res["requests"] == 4 and res["equal"] >= 3 and res["capacity_ratio"] > 3
+    assert "int8 outputs equal to full precision's" in capsys.readouterr().out
