@@ -191,10 +191,13 @@ def test_version_gate(monkeypatch):
 # ------------------------------------------------------------------------------------------------ exact paths
 @ENGINE
 @pytest.mark.parametrize("preset", ["int4", "int2"])
-def test_engine_equals_chunked_prefill_and_generate(preset):
+@pytest.mark.parametrize("chunk", [64, None])
+def test_engine_equals_chunked_prefill_and_generate(preset, chunk):
     """A prompt of 257 or 321 tokens served in 64-token chunks (continuation chunks attend to pages and window; the
     window flushes) gives the tokens, and the log-probabilities, of ``prefill(chunk_size=64)`` + ``generate`` with the
-    preset's cache; the quantization changes those log-probabilities, so the engine did use the quantized cache."""
+    preset's cache; served as one chunk (its window flushes at once, sinks included), those of ``generate`` with the
+    prompt in one forward. The quantization changes those log-probabilities, so the engine did use the quantized
+    cache."""
     model = tiny_llama_d64()
     prompts = _prompts([257, 321, 257, 321], seed=1)
     gen = _gen()
@@ -202,14 +205,15 @@ def test_engine_equals_chunked_prefill_and_generate(preset):
     try:
         results = []
         for p in prompts:  # one at a time: the chunks of one request, as prefill makes them
-            results += _outputs(model.generate_batch([p], generation_config=gen,
-                                                     continuous_batching_config=_cfg(return_logprobs=True)), 1)
+            cfg = _cfg(return_logprobs=True, **({} if chunk else WIDE))
+            results += _outputs(model.generate_batch([p], generation_config=gen, continuous_batching_config=cfg), 1)
     finally:
         kivi_cache.disable_continuous_batching(model)
     for p, got in zip(prompts, results, strict=True):
         x = torch.tensor([p])
         cache = CACHES[preset]()
-        prefill(model, cache, x, chunk_size=64)
+        if chunk:
+            prefill(model, cache, x, chunk_size=chunk)
         with torch.no_grad():
             ref = model.generate(x, attention_mask=torch.ones_like(x), **cache_kwargs(model, cache),
                                  generation_config=_gen(output_logits=True, return_dict_in_generate=True))
@@ -218,7 +222,14 @@ def test_engine_equals_chunked_prefill_and_generate(preset):
         assert got.generated_tokens == tokens, f"prompt {len(p)}: engine {got.generated_tokens} != generate {tokens}"
         ref_lp = [float(step[0].float().log_softmax(-1)[t]) for step, t in zip(ref.logits, tokens, strict=True)]
         assert got.logprobs == pytest.approx(ref_lp, abs=1e-5)
-        assert abs(fp_first[tokens[0]].item() - ref_lp[0]) > 1e-4, "the quantized cache changed nothing"
+        if chunk:  # the first token already reads quantized history
+            assert abs(fp_first[tokens[0]].item() - ref_lp[0]) > 1e-4, "the quantized cache changed nothing"
+        else:  # the prompt attends to itself in full precision: the later tokens read the quantized history
+            with torch.no_grad():
+                fp = model.generate(x, attention_mask=torch.ones_like(x), generation_config=_gen(
+                    output_logits=True, return_dict_in_generate=True))
+            fp_lp = [float(step[0].float().log_softmax(-1)[t]) for step, t in zip(fp.logits, tokens, strict=True)]
+            assert max(abs(a - b) for a, b in zip(fp_lp, ref_lp, strict=True)) > 1e-4, "quantization changed nothing"
 
 
 @ENGINE
