@@ -34,11 +34,11 @@ import kivi_cache  # noqa: E402
 
 def passages(tok, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of ``lo``..``hi`` tokens, cut from the Austen chapters (or the sample text) at random places."""
-    try:
-        text = " ".join(c["text"] for c in austen_chapters()[:8])
-    except (FileNotFoundError, OSError):
-        text = sample_text()
+    chapters = austen_chapters()[:8]  # [] where the data is not beside the checkout
+    text = " ".join(c["text"] for c in chapters) if chapters else sample_text()
     ids = tok(text)["input_ids"]
+    if len(ids) < hi:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than --max-prompt {hi}")
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
