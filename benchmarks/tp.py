@@ -445,9 +445,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma list of BATCHxPROMPT (default 1x1024,32x1024,1x32768,32x32768; --quick 1x64,2x160)")
     ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per sequence (64; --quick 8)")
     ap.add_argument("--repeats", type=int, default=2, help="measured generates per cache and shape (2)")
-    ap.add_argument("--load", choices=("build", "disk"), default="build",
-                    help="build: random weights on every rank, sharded in place (default); disk: rank 0 saves, every "
-                         "rank loads with tp_plan auto")
+    ap.add_argument("--load", choices=("build", "disk"), default=None,
+                    help="build: random weights on every rank, sharded in place (default where transformers has "
+                         "prepare_distribute_model, >= 5.24); disk: rank 0 saves, every rank loads with tp_plan auto "
+                         "(the default before)")
     ap.add_argument("--model-dir", default=None, help="--load disk: where the model is saved (default a temp dir)")
     ap.add_argument("--prefill-tokens", type=int, default=65536,
                     help="chunked prefill with about this many tokens per forward over the batch (0: one forward)")
@@ -508,6 +509,10 @@ def _run(args, ranks: Ranks) -> dict | None:
     if dev.cuda and any(c.startswith("kivi") for c in args.caches):
         gm.require_kernels("tp", cuda=True)
     t = time.perf_counter()
+    if args.load is None:
+        from transformers import LlamaForCausalLM
+
+        args.load = "build" if hasattr(LlamaForCausalLM, "prepare_distribute_model") else "disk"
     if args.load == "build" and ranks.world > 1:
         model, replaced = build_tp(args.model, ranks, dtype)
         how = ("build: random weights on every rank, LlamaForCausalLM.prepare_distribute_model + "
