@@ -245,7 +245,7 @@ def run_case(model, case: str, args, dev, work: list, warm: list, rep: int) -> d
         cache, cfg = manager.batch_processor.cache, manager.continuous_batching_config
         got.update(cache_class=type(cache).__name__, num_blocks=cache.num_blocks,
                    capacity_tokens=cache.num_blocks * args.page_size, max_batch_tokens=cache.max_batch_tokens,
-                   **{k: getattr(cache, k, None) for k in ("window_slots", "window_tokens")},
+                   window_slots=getattr(cache, "window_slots", None),
                    cuda_graphs=cfg.use_cuda_graph, async_batching=cfg.use_async_batching)
         if cuda:
             got["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
@@ -280,7 +280,7 @@ def rows_of(runs: dict, cases: list[str], args) -> list[dict]:
         last = ok[-1]
         row.update({k: H.median(r.get(k) for r in ok) for k in MEDIAN_KEYS},
                    **{k: last.get(k) for k in ("attn", "cache_class", "num_blocks", "capacity_tokens",
-                                               "max_batch_tokens", "window_slots", "window_tokens", "cuda_graphs",
+                                               "max_batch_tokens", "window_slots", "cuda_graphs",
                                                "async_batching", "generated_tokens")})
         peaks = [r["peak_bytes"] for r in ok if r.get("peak_bytes") is not None]
         row["peak_bytes"] = max(peaks) if peaks else None

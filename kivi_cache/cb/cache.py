@@ -198,12 +198,6 @@ class KiviPagedAttentionCache(PagedAttentionCache):
     def window_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.res_k, self.res_v) for t in d.values())
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens the pages hold when full (each request in flight holds up to ``window_capacity`` more in its
-        window)."""
-        return self.num_blocks * self.quant.page_size
-
     # -- scheduling -------------------------------------------------------------------------------------------------
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
         """As the engine's, and a request not yet in flight needs a free window slot (else it waits)."""

@@ -159,13 +159,12 @@ class Step:
             res_v[r.slot, :, w0:w0 + r.q] = v
             return
         s, n, g = c.sinks1, c.flushed, self.bits["group_size"]
-        for res, new, name in ((res_k, k, "k"), (res_v, v, "v")):
-            seq = torch.cat([res[r.slot, :, :w0], new.to(res.dtype)], dim=1)  # [H, w0 + L, D]: window, then chunk
-            groups = seq[:, s:s + n].unflatten(1, (n // g, g)).transpose(0, 1).contiguous()  # [N, H, G, D]
-            if name == "k":
-                groups_k = groups
-            else:
-                ops.quantize_and_write(groups_k, groups, c.pages, c.page_slots, pool, **self.bits)
-            keep = seq.shape[1] - n
-            res[r.slot, :, :s] = seq[:, :s]
+        # window, then chunk: [H, w0 + L, D]; its tokens s .. s + n leave for the pages, the rest stays
+        seq_k = torch.cat([res_k[r.slot, :, :w0], k.to(res_k.dtype)], dim=1)
+        seq_v = torch.cat([res_v[r.slot, :, :w0], v.to(res_v.dtype)], dim=1)
+        groups = [x[:, s:s + n].unflatten(1, (n // g, g)).transpose(0, 1).contiguous() for x in (seq_k, seq_v)]
+        ops.quantize_and_write(*groups, c.pages, c.page_slots, pool, **self.bits)  # [N, H, G, D] each
+        keep = seq_k.shape[1] - n
+        for res, seq in ((res_k, seq_k), (res_v, seq_v)):
+            res[r.slot, :, :s] = seq[:, :s]  # the sinks (a first chunk's are new)
             res[r.slot, :, s:keep] = seq[:, s + n:]
