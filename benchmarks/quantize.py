@@ -2,7 +2,8 @@
 (the compiled decode step's window write and flush).
 
 For every batch and bits setting (key bits / value bits / group size; ``--kv-heads``, ``--head-dim``, fp16 keys and
-values, a ``kivi_cache.testing.random_pool`` of ``--page-size``-token pages) three operations:
+values, a ``kivi_cache.testing.random_pool`` of ``--page-size``-token pages; ``--clip``: the groups' range search of
+``QuantConfig.clip``, ``none`` (default) and/or ``both``) three operations:
 
 * ``flush``: ``quantize_and_write`` of one group per sequence (what a decode step writes when a window is full);
 * ``prefill``: ``quantize_and_write`` of ``--prefill`` tokens per sequence (``prefill / group`` groups each);
@@ -11,7 +12,9 @@ values, a ``kivi_cache.testing.random_pool`` of ``--page-size``-token pages) thr
 
 Each is first run by the kernels and by the torch reference (``kivi_cache.reference``) on copies of the same pool and
 windows: the rows report the largest scale/zero difference, the largest code difference (in quantization steps: one
-at rounding ties) and the fraction of equal codes, and ``check`` = ``ok`` or ``FAIL``. Then the three are timed in
+at rounding ties) and the fraction of equal codes, and ``check`` = ``ok`` or ``FAIL`` (with ``--clip both`` a group
+whose candidate ranges reconstruct it almost equally well may take another range than the reference's, fp32 sums
+being ordered differently: there only 99.9% equal codes are required). Then the three are timed in
 turns (``harness.time_alternating``: CUDA-graph replays timed with CUDA events, the order reversed every other
 repetition; ``--no-graphs``: eager launches). A row reports the median time, the bytes moved (fp16 keys and values
 read; codes, fp16 scales and zero points written; for ``append_and_flush`` also the token's write and the window's
@@ -19,8 +22,8 @@ move), the effective TB/s and its fraction of the copy bandwidth measured in the
 
 Usage::
 
-    python benchmarks/quantize.py [--batches 1,8,32] [--bits 4/4/32,2/2/32] [--prefill 1024] [--no-graphs]
-                                  [--out F.json] [--commit SHA]
+    python benchmarks/quantize.py [--batches 1,8,32] [--bits 4/4/32,2/2/32] [--clip none,both] [--prefill 1024]
+                                  [--no-graphs] [--out F.json] [--commit SHA]
     python benchmarks/quantize.py --quick      # CPU smoke run under Triton's interpreter (times are no result)
 
 Output: ``benchmarks/results/quantize_<gpu>_<date>.json`` (``--out`` to change it), written after every batch and
@@ -43,7 +46,7 @@ from decode import parse_bits  # noqa: E402  (benchmarks/decode.py)
 BITS = "4/4/32,2/2/32,4/2/64"
 QUICK_BITS = "4/4/32,4/2/64"
 OPS = ("flush", "prefill", "append_and_flush")
-COLS = [("batch", "B", "d"), ("kv_heads", "KV", "d"), ("bits", "bits", ""), ("op", "op", ""),
+COLS = [("batch", "B", "d"), ("kv_heads", "KV", "d"), ("bits", "bits", ""), ("clip", "clip", ""), ("op", "op", ""),
         ("tokens", "tokens/seq", "d"), ("ms", "ms", ".4f"), ("TBps", "TB/s", ".3f"), ("pct_copy_bw", "% copy", ".0f"),
         ("max_code_step", "code diff", "d"), ("code_match", "codes equal", ".5f"), ("check", "check", ""),
         ("error", "error", "")]
@@ -55,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", default=None, help="sequences (default 1,8,32; quick 1)")
     ap.add_argument("--bits", default=None, help=f"KEY_BITS/VALUE_BITS/GROUP_SIZE list (default {BITS}; quick "
                     f"{QUICK_BITS})")
+    ap.add_argument("--clip", default="none", help="comma list of none/both: write without and/or with the range "
+                    "search of QuantConfig.clip (default none)")
     ap.add_argument("--kv-heads", type=int, default=None, help="default 8 (quick 1)")
     ap.add_argument("--head-dim", type=int, default=None, help="default 128 (quick 64)")
     ap.add_argument("--page-size", type=int, default=64)
@@ -80,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.batch_list = [int(x) for x in args.batches.split(",")]
     except ValueError as exc:
         ap.error(str(exc) if str(exc).startswith("--") else f"--batches: {args.batches!r} is not a list of integers")
+    args.clip_list = args.clip.split(",")
+    if not set(args.clip_list) <= {"none", "both"}:
+        ap.error(f"--clip: a comma list of none and both, got {args.clip!r}")
     if min(args.batch_list) < 1 or args.kv_heads < 1 or args.reps < 1 or args.residual < 0 or args.sinks < 0:
         ap.error("--batches, --kv-heads and --reps must be positive, --residual and --sinks not negative")
     H.kernels(q)  # the interpreter on (a CPU quick run) before kivi_cache imports Triton
@@ -102,9 +110,10 @@ def write_bytes(n: int, h: int, g: int, d: int, kb: int, vb: int) -> int:
             + n * 16)
 
 
-def compare(got: list, want: list, bits: tuple) -> dict:
+def compare(got: list, want: list, bits: tuple, clip: bool = False) -> dict:
     """The kernels' pool (and windows) against the reference's: the largest scale/zero difference, the largest code
-    difference in steps and the fraction of equal codes, the largest window difference."""
+    difference in steps and the fraction of equal codes, the largest window difference (``clip``: near-tied groups
+    may take other ranges, module docstring)."""
     from kivi_cache.quant import unpack
 
     kb, vb, _ = bits
@@ -120,12 +129,14 @@ def compare(got: list, want: list, bits: tuple) -> dict:
         total += d.numel()
     window = max([diff(a, b) for a, b in zip(got[6:], want[6:], strict=True)] + [0.0])
     ref_scale = max(want[i].float().nan_to_num().abs().max().item() for i in (1, 4))
-    ok = steps <= 1 and equal >= 0.999 * total and scale <= 1e-3 * max(ref_scale, 1e-6) and window == 0.0
+    ok = equal >= 0.999 * total and window == 0.0
+    if not clip:
+        ok = ok and steps <= 1 and scale <= 1e-3 * max(ref_scale, 1e-6)
     return dict(max_scale_diff=scale, max_code_step=steps, code_match=equal / max(total, 1), max_window_diff=window,
                 check="ok" if ok else "FAIL")
 
 
-def case_rows(args, kk, dev, b: int, bits: tuple, gen, bw: float) -> list[dict]:
+def case_rows(args, kk, dev, b: int, bits: tuple, clip: str, gen, bw: float) -> list[dict]:
     """The three operations of one batch and bits setting: checked against the reference, then timed in turns."""
     from kivi_cache import reference
     from kivi_cache.testing import random_pool
@@ -136,7 +147,8 @@ def case_rows(args, kk, dev, b: int, bits: tuple, gen, bw: float) -> list[dict]:
     bt = pd["block_table"]
     pool = [pd[k] for k in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")]
     base = dict(batch=b, kv_heads=h, head_dim=d, page_size=p, bits=f"{kb}/{vb}/{g}", key_bits=kb, value_bits=vb,
-                group_size=g)
+                group_size=g, clip=clip)
+    flags = dict(clip_keys=clip == "both", clip_values=clip == "both")
     fns, rows = {}, {}
 
     def writes(n_tok: int):
@@ -145,7 +157,7 @@ def case_rows(args, kk, dev, b: int, bits: tuple, gen, bw: float) -> list[dict]:
         grp = torch.arange(n_tok // g, device=dev)
         pages = bt[:, grp * g // p].reshape(-1).contiguous()
         slots = ((grp * g) % p).repeat(b).to(torch.int32)
-        return lambda mod, t: mod.quantize_and_write(k, v, pages, slots, *t, kb, vb, g), k.shape[0]
+        return lambda mod, t: mod.quantize_and_write(k, v, pages, slots, *t, kb, vb, g, **flags), k.shape[0]
 
     for op, n_tok in (("flush", g), ("prefill", n_pre)):
         call, groups = writes(n_tok)
@@ -154,7 +166,7 @@ def case_rows(args, kk, dev, b: int, bits: tuple, gen, bw: float) -> list[dict]:
         call(reference, want)
         fns[op] = lambda call=call: call(kk, pool)
         rows[op] = dict(base, op=f"{op} (quantize_and_write)", tokens=n_tok, groups=groups,
-                        bytes=write_bytes(groups, h, g, d, kb, vb), **compare(got, want, bits))
+                        bytes=write_bytes(groups, h, g, d, kb, vb), **compare(got, want, bits, clip == "both"))
 
     cap = s + r + g
     wk = torch.randn(b, h, cap, d, device=dev, dtype=torch.float16, generator=gen)
@@ -164,7 +176,7 @@ def case_rows(args, kk, dev, b: int, bits: tuple, gen, bw: float) -> list[dict]:
     lens = [torch.full((b,), x, device=dev, dtype=torch.int32) for x in (cap - 1, s, n_pre)]  # every window full
 
     def step(mod, t, k_win, v_win):
-        mod.append_and_flush(nk, nv, k_win, v_win, *lens, bt, *t, kb, vb, g, r, s)
+        mod.append_and_flush(nk, nv, k_win, v_win, *lens, bt, *t, kb, vb, g, r, s, **flags)
 
     got, want = [t.clone() for t in pool] + [wk.clone(), wv.clone()], [t.clone() for t in pool] + [wk.clone(),
                                                                                                    wv.clone()]
@@ -173,7 +185,8 @@ def case_rows(args, kk, dev, b: int, bits: tuple, gen, bw: float) -> list[dict]:
     fns["append_and_flush"] = lambda: step(kk, pool, wk, wv)
     moved = 2 * b * h * d * 2 * 2 + 2 * b * h * r * d * 2 * 2  # the token written; the window's R tokens moved
     rows["append_and_flush"] = dict(base, op="append_and_flush", tokens=1, groups=b, residual=r, sinks=s,
-                                    bytes=write_bytes(b, h, g, d, kb, vb) + moved, **compare(got, want, bits))
+                                    bytes=write_bytes(b, h, g, d, kb, vb) + moved,
+                                    **compare(got, want, bits, clip == "both"))
     for op, row in rows.items():
         if row["check"] == "FAIL":
             H.log(f"WARNING b={b} {row['bits']} {op}: the kernels differ from the reference: {row}")
@@ -198,12 +211,12 @@ def main(argv=None) -> dict:
                           "write and the window's move)")
     H.log(f"quantize on {rec['machine'].get('gpu') or 'CPU'}: copy bandwidth {bw / 1e12:.3f} TB/s; -> {out}")
     gen = torch.Generator(device=dev).manual_seed(0)
-    cases = [(b, bits) for b in args.batch_list for bits in args.bits_list]
-    for b, bits in H.progress(cases, desc="quantize cases"):
+    cases = [(b, bits, clip) for b in args.batch_list for bits in args.bits_list for clip in args.clip_list]
+    for b, bits, clip in H.progress(cases, desc="quantize cases"):
         try:
-            rows = case_rows(args, kk, dev, b, bits, gen, bw)
+            rows = case_rows(args, kk, dev, b, bits, clip, gen, bw)
         except Exception as exc:  # noqa: BLE001  (an error row; the run goes on)
-            rows = [dict(batch=b, kv_heads=args.kv_heads, bits="/".join(map(str, bits)), op="-",
+            rows = [dict(batch=b, kv_heads=args.kv_heads, bits="/".join(map(str, bits)), clip=clip, op="-",
                          error=f"{type(exc).__name__}: {str(exc)[:300]}")]
             H.log(f"b={b} {rows[0]['bits']}: ERROR {rows[0]['error']}")
         rec["rows"] += rows

@@ -51,6 +51,11 @@ POOL_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 CHECK_INDICES = os.environ.get("KIVI_CHECK_INDICES") == "1"
 
 
+# the range search of clipping (kivi_cache.quant): a group's range is narrowed about its centre by CLIP_STEPS
+# candidate cuts of i / 32 of its span from each end (i = 0 .. CLIP_STEPS - 1: ratios 1 - i / 16 of the span, 1 down
+# to 0.5625; exact binary fractions, so every backend computes the same candidate ranges), the one with the lowest
+# squared reconstruction error kept (the first of equal ones)
+CLIP_STEPS = 8
 ALLOWED_HEAD_DIMS = (64, 128, 256)  # head_dims the kernels' tiles cover (the torch path takes any)
 
 

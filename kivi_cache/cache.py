@@ -88,6 +88,8 @@ class QuantizedPagedCache(Cache):
         sink_length: first tokens of each sequence kept in full precision (attention sinks).
         rotate: ``"keys"``, ``"values"``, ``"both"`` (``True``) or ``"none"``: store them rotated by a Hadamard
             matrix (outlier channels spread before quantization; attention unchanged: :mod:`kivi_cache.rotation`).
+        clip: ``"keys"``, ``"values"``, ``"both"`` (``True``) or ``"none"``: quantize each group with the narrowed
+            range that reconstructs it best (:mod:`kivi_cache.quant`); costs only when groups are written.
         layer_bits: ``[(key_bits, value_bits), ...]``, one pair per model layer: each layer's own code widths (the
             other settings are shared; ``key_bits``/``value_bits`` are then unused). A model with more layers than pairs
             is refused at its first step.
@@ -104,13 +106,13 @@ class QuantizedPagedCache(Cache):
     def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 32, residual_length: int = 128,
                  page_size: int = 64, num_pages: int = 0, sink_length: int = 0, config=None,
                  max_batch_size: int | None = None, max_cache_len: int | None = None, rotate: str | bool = "none",
-                 layer_bits=None):
+                 layer_bits=None, clip: str | bool = "none"):
         if (max_batch_size is None) != (max_cache_len is None):
             raise ValueError("give max_batch_size and max_cache_len together (both or neither), got "
                              f"max_batch_size={max_batch_size!r}, max_cache_len={max_cache_len!r}")
         quant_config = QuantConfig(key_bits=key_bits, value_bits=value_bits, group_size=group_size,
                                    residual_length=residual_length, page_size=page_size, num_pages=num_pages,
-                                   sink_length=sink_length, rotate=rotate)
+                                   sink_length=sink_length, rotate=rotate, clip=clip)
         if max_batch_size is not None:
             if num_pages:
                 raise ValueError(f"give either num_pages ({num_pages}) or max_batch_size/max_cache_len, not both")

@@ -38,8 +38,10 @@ class QuantConfig:
         good (attention sinks); they live at the front of the residual window.
     rotate: ``"none"``, ``"keys"``, ``"values"`` or ``"both"`` (``True``: both): store keys and/or values
         multiplied by a Hadamard matrix, which spreads outlier channels before quantization; attention is unchanged
-        (:mod:`kivi_cache.rotation`). Served by ``QuantizedPagedCache`` and ``StaticQuantizedPagedCache``; continuous
-        batching refuses it.
+        (:mod:`kivi_cache.rotation`).
+    clip: ``"none"``, ``"keys"``, ``"values"`` or ``"both"`` (``True``: both): quantize each key and/or value group
+        with the range, among 8 narrowings of its min/max range, that reconstructs it best (:mod:`kivi_cache.quant`).
+        Costs only when groups are written.
     """
 
     key_bits: int = 4
@@ -50,12 +52,15 @@ class QuantConfig:
     num_pages: int = 0
     sink_length: int = 0
     rotate: str = "none"
+    clip: str = "none"
 
     def __post_init__(self) -> None:
-        if self.rotate is True or self.rotate is False:
-            object.__setattr__(self, "rotate", "both" if self.rotate else "none")
-        if self.rotate not in ROTATE:
-            raise ValueError(f"rotate must be one of {ROTATE} or a bool, got {self.rotate!r}")
+        for name in ("rotate", "clip"):
+            value = getattr(self, name)
+            if value is True or value is False:
+                object.__setattr__(self, name, "both" if value else "none")
+            elif getattr(self, name) not in ROTATE:
+                raise ValueError(f"{name} must be one of {ROTATE} or a bool, got {value!r}")
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
             if type(value) is not int or value not in ALLOWED_BITS:
@@ -80,6 +85,12 @@ class QuantConfig:
                 f"group_size must be a multiple of {32 // self.value_bits} with value_bits={self.value_bits} "
                 f"(a group of values fills whole 32-bit words of tokens), got group_size={self.group_size}"
             )
+
+    @property
+    def clip_args(self) -> dict:
+        """The ``clip_keys``/``clip_values`` keywords of the ops that write groups (``quantize_and_write``,
+        ``append_and_flush``)."""
+        return dict(clip_keys=self.clip in ("keys", "both"), clip_values=self.clip in ("values", "both"))
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this configuration cannot store heads of ``head_dim`` channels."""

@@ -12,8 +12,9 @@ Model arguments (``--model_args``), on top of every ``hf`` argument:
 
 * ``preset``: ``int8``, ``int4``, ``int2`` (the kivi_cache presets, see kivi_cache.cache) or ``fp``
   (transformers' ``DynamicCache`` through the same scoring scheme: the reference);
-* ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``, ``sink_length``: an explicit
-  ``QuantizedPagedCache`` (they override the preset's values);
+* ``key_bits``, ``value_bits``, ``group_size``, ``residual_length``, ``page_size``, ``sink_length``, ``rotate``,
+  ``clip``: an explicit ``QuantizedPagedCache`` (they override the preset's values; ``rotate``/``clip`` take
+  ``none``, ``keys``, ``values`` or ``both``);
 * ``prefill_tokens`` (default 64), ``stream_tokens`` (default: all), ``chunk`` (default 1): the
   loglikelihood scheme below.
 
@@ -94,7 +95,8 @@ __all__ = ["KIVI_ARGS", "KiviLM", "main"]
 _PRESETS = {"int8": Int8PagedCache, "int4": Int4PagedCache, "int2": Int2PagedCache, "fp": None}
 _CACHE_KEYS = ("key_bits", "value_bits", "group_size", "residual_length", "page_size", "sink_length")
 #: the model arguments KiviLM adds to HFLM's
-KIVI_ARGS = ("preset", *_CACHE_KEYS, "prefill_tokens", "stream_tokens", "chunk")
+_CACHE_WORDS = ("rotate", "clip")  # QuantConfig's string settings
+KIVI_ARGS = ("preset", *_CACHE_KEYS, *_CACHE_WORDS, "prefill_tokens", "stream_tokens", "chunk")
 #: HFLM's own keyword parameters (anything else HFLM forwards to ``from_pretrained``, or drops with a loaded model)
 _HFLM_ARGS = frozenset(name for name, prm in inspect.signature(HFLM.__init__).parameters.items()
                        if name != "self" and prm.kind is not inspect.Parameter.VAR_KEYWORD)
@@ -144,7 +146,8 @@ class KiviLM(HFLM):
 
     def __init__(self, pretrained=None, preset: str | None = None, key_bits: int | None = None,
                  value_bits: int | None = None, group_size: int | None = None, residual_length: int | None = None,
-                 page_size: int | None = None, sink_length: int | None = None, prefill_tokens: int = 64,
+                 page_size: int | None = None, sink_length: int | None = None, rotate: str | None = None,
+                 clip: str | None = None, prefill_tokens: int = 64,
                  stream_tokens: int | None = None,
                  chunk: int = 1, **kwargs):
         # every check before anything is loaded (see the module docstring)
@@ -159,6 +162,7 @@ class KiviLM(HFLM):
                                                                    residual_length, page_size, sink_length),
                                                       strict=True)
                      if v is not None}
+        overrides.update({k: v for k, v in (("rotate", rotate), ("clip", clip)) if v is not None})
         if preset == "fp" and overrides:
             raise ValueError(f"preset=fp (DynamicCache) takes no cache settings, got {sorted(overrides)}")
         self.prefill_tokens = _as_int("prefill_tokens", prefill_tokens)

@@ -122,21 +122,30 @@ def _call(name: str, device, pool, bits: tuple, *args, **kwargs):
     return getattr(mod, name)(*args, **kwargs)
 
 
-def quantize_and_write(k, v, pages, slots, pool, *, key_bits, value_bits, group_size):
+def quantize_and_write(k, v, pages, slots, pool, *, key_bits, value_bits, group_size, clip_keys=False,
+                       clip_values=False):
     """Quantize N groups ``k``/``v`` ``[N, H, G, D]`` into ``pool`` (:class:`~kivi_cache.kernels.checks.PoolTensors`)
-    at pages ``pages[n]``, token slots ``slots[n]`` (:func:`kivi_cache.reference.quantize_and_write`)."""
+    at pages ``pages[n]``, token slots ``slots[n]`` (:func:`kivi_cache.reference.quantize_and_write`; ``clip_keys``/
+    ``clip_values``: the range search of :mod:`kivi_cache.quant`)."""
     pool = checks.pool_tensors(pool)
     _call("quantize_and_write", k.device, pool, (key_bits, value_bits, group_size), k, v, pages, slots, *pool,
-          key_bits, value_bits, group_size)
+          key_bits, value_bits, group_size, clip_keys=_flag("clip_keys", clip_keys),
+          clip_values=_flag("clip_values", clip_values))
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool, *, key_bits,
-                     value_bits, group_size, residual_length, sink_length):
+                     value_bits, group_size, residual_length, sink_length, clip_keys=False, clip_values=False):
     """A decode step's window write and flush of full windows (:func:`kivi_cache.reference.append_and_flush`)."""
     pool = checks.pool_tensors(pool)
     _call("append_and_flush", res_k.device, pool, (key_bits, value_bits, group_size), new_k, new_v, res_k, res_v,
           res_lengths, sink_lengths, lengths, block_table, *pool, key_bits, value_bits, group_size, residual_length,
-          sink_length)
+          sink_length, clip_keys=_flag("clip_keys", clip_keys), clip_values=_flag("clip_values", clip_values))
 
 
 def dequantize_pages(block_table, lengths, pool, *, key_bits, value_bits, group_size, max_len=None, out=None):

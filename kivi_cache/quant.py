@@ -26,6 +26,15 @@ So every element's round-trip error is at most half a step (``scale / 2``) of
 its group, plus the rounding of ``zero`` and of the output in S. A constant
 group has scale 0, codes 0, and dequantizes exactly to its value.
 
+Clipping (``clip=True``; ``QuantConfig.clip``): steps 2-4 run once for each ``i`` in ``0 ..
+CLIP_STEPS - 1`` (8) on the range narrowed about its centre, ``[min + c, max - c]`` with
+``c = (max - min) * (i / 32)`` in fp32 (``i = 0``: the plain range; the narrowest keeps 9/16 of the
+span), and the group keeps the
+candidate whose reconstruction ``code * scale + zero`` (fp32, from the stored scale and zero point) has
+the lowest sum of squared errors against the clamped group, the first of equal ones. Elements beyond a
+narrowed range take the end codes. At 2 bits a group's extremes cost every other element resolution;
+the search trades them for it where that lowers the group's error, and never raises it.
+
 Range: ``code * scale + zero`` lies within ``3 C`` of 0 (``C + 2 C`` rounded up) for every stored triple, so finite
 inputs dequantize to finite values in S at every bit width and on every backend. Finite elements beyond ``+-C``
 (fp16 magnitudes above 16384, which attention in fp16 could not use anyway, fp32 data stored with fp16 scales, or
@@ -58,6 +67,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from .kernels.checks import CLIP_STEPS
 
 
 def qmax(bits: int) -> int:
@@ -101,25 +112,48 @@ def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(low, bumped, y)
 
 
-def _quantize(x: torch.Tensor, dim: int, bits: int, store_dtype: torch.dtype):
-    """Quantize ``x`` with one (scale, zero) per slice along ``dim`` (reduced)."""
+def _quantize(x: torch.Tensor, dim: int, bits: int, store_dtype: torch.dtype, clip: bool = False):
+    """Quantize ``x`` with one (scale, zero) per slice along ``dim`` (reduced); ``clip``: the range search of the
+    module docstring."""
     xf = x.float()
     # x - x: NaN for a NaN or an inf, else +0, whose subtraction below leaves every value (a -0 too) as it is
     poison = (xf - xf).sum(dim=dim, keepdim=True)
     c = range_bound(store_dtype)
     xf = xf.clamp(-c, c)
-    zero = (xf.amin(dim=dim, keepdim=True) - poison).to(store_dtype)
-    z = zero.float()
-    span = (xf.amax(dim=dim, keepdim=True) - z).clamp_(min=0)
-    scale = (round_up_to(span / qmax(bits), store_dtype).float() - poison).to(store_dtype)
-    s = scale.float()
-    q = torch.where(s > 0, torch.floor((xf - z) / torch.where(s > 0, s, 1.0) + 0.5), 0.0)  # a NaN scale: code 0
-    codes = q.clamp_(0, qmax(bits)).to(torch.uint8)
+    lo, hi = xf.amin(dim=dim, keepdim=True), xf.amax(dim=dim, keepdim=True)
+    codes, scale, zero = _quantize_range(xf, lo, hi, poison, bits, store_dtype)
+    if clip:
+        err = _squared_error(xf, codes, scale, zero, dim)
+        for i in range(1, CLIP_STEPS):
+            cut = (hi - lo) * (i / 32)
+            cand = _quantize_range(xf, lo + cut, hi - cut, poison, bits, store_dtype)
+            e = _squared_error(xf, *cand, dim)
+            better = e < err  # false for a poisoned group (NaN): it keeps the plain candidate's NaN scale
+            err = torch.where(better, e, err)
+            codes = torch.where(better, cand[0], codes)
+            scale, zero = torch.where(better, cand[1], scale), torch.where(better, cand[2], zero)
     return codes, scale.squeeze(dim), zero.squeeze(dim)
 
 
-def quantize_keys(k: torch.Tensor, bits: int, group_size: int, store_dtype: torch.dtype | None = None):
-    """Per-channel key quantization.
+def _quantize_range(xf, lo, hi, poison, bits: int, store_dtype: torch.dtype):
+    """Steps 2-4 of the module docstring for the range ``[lo, hi]`` (fp32, reduced dim kept) of clamped ``xf``."""
+    zero = (lo - poison).to(store_dtype)
+    z = zero.float()
+    span = (hi - z).clamp_(min=0)
+    scale = (round_up_to(span / qmax(bits), store_dtype).float() - poison).to(store_dtype)
+    s = scale.float()
+    q = torch.where(s > 0, torch.floor((xf - z) / torch.where(s > 0, s, 1.0) + 0.5), 0.0)  # a NaN scale: code 0
+    return q.clamp_(0, qmax(bits)).to(torch.uint8), scale, zero
+
+
+def _squared_error(xf, codes, scale, zero, dim: int) -> torch.Tensor:
+    """The fp32 sum over ``dim`` of the squared reconstruction errors (kept dim)."""
+    return (codes.float() * scale.float() + zero.float() - xf).square().sum(dim=dim, keepdim=True)
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int, store_dtype: torch.dtype | None = None,
+                  clip: bool = False):
+    """Per-channel key quantization (``clip``: the range search of the module docstring).
 
     k: ``[..., T, D]`` with T a multiple of group_size.
     Returns codes uint8 ``[..., T, D]`` (unpacked), scale and zero ``[..., T // G, D]``.
@@ -128,19 +162,20 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int, store_dtype: torc
     if t % group_size:
         raise ValueError(f"key token count {t} is not a multiple of group_size={group_size}")
     grouped = k.reshape(*lead, t // group_size, group_size, d)
-    codes, scale, zero = _quantize(grouped, -2, bits, store_dtype or k.dtype)
+    codes, scale, zero = _quantize(grouped, -2, bits, store_dtype or k.dtype, clip)
     return codes.reshape(*lead, t, d), scale, zero
 
 
-def quantize_values(v: torch.Tensor, bits: int, group_size: int, store_dtype: torch.dtype | None = None):
-    """Per-token value quantization.
+def quantize_values(v: torch.Tensor, bits: int, group_size: int, store_dtype: torch.dtype | None = None,
+                    clip: bool = False):
+    """Per-token value quantization (``clip``: the range search of the module docstring).
 
     v: ``[..., T, D]`` with D a multiple of group_size.
     Returns codes uint8 ``[..., T, D]`` (unpacked), scale and zero ``[..., T, D // G]``.
     """
     *lead, t, d = v.shape
     grouped = v.reshape(*lead, t, d // group_size, group_size)
-    codes, scale, zero = _quantize(grouped, -1, bits, store_dtype or v.dtype)
+    codes, scale, zero = _quantize(grouped, -1, bits, store_dtype or v.dtype, clip)
     return codes.reshape(*lead, t, d), scale, zero
 
 

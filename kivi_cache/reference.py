@@ -44,8 +44,10 @@ from .window import window_append
 
 
 def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                       key_bits: int, value_bits: int, group_size: int) -> None:
-    """Quantize N key/value groups and write them into their pages in place.
+                       key_bits: int, value_bits: int, group_size: int, *, clip_keys: bool = False,
+                       clip_values: bool = False) -> None:
+    """Quantize N key/value groups and write them into their pages in place (``clip_keys``/``clip_values``: the
+    range search of :mod:`kivi_cache.quant` for the keys' / values' groups).
 
     k, v: ``[N, H, G, D]`` (G = group_size consecutive tokens of one sequence).
     pages: ``[N]`` int page ids; slots: ``[N]`` int token offsets in the page
@@ -58,8 +60,8 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     g = group_size
     pages = pages.long()
     slots = slots.long()
-    kc, ks, kz = quantize_keys(k, key_bits, g, k_scale.dtype)  # [N,H,G,D], [N,H,1,D]
-    vc, vs, vz = quantize_values(v, value_bits, g, v_scale.dtype)  # [N,H,G,D], [N,H,G,D/G]
+    kc, ks, kz = quantize_keys(k, key_bits, g, k_scale.dtype, clip_keys)  # [N,H,G,D], [N,H,1,D]
+    vc, vs, vz = quantize_values(v, value_bits, g, v_scale.dtype, clip_values)  # [N,H,G,D], [N,H,G,D/G]
     tok = slots[:, None] + torch.arange(g, device=slots.device)  # [N, G]
     pg = pages[:, None]
     # advanced indices around a slice put [N, G] first: [N, G, H, ...]
@@ -76,8 +78,10 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
 
 def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes, k_scale,
                      k_zero, v_codes, v_scale, v_zero, key_bits: int, value_bits: int, group_size: int,
-                     residual_length: int, sink_length: int) -> None:
-    """One decode step's window bookkeeping, in place, for every sequence b (the compiled cache's step):
+                     residual_length: int, sink_length: int, *, clip_keys: bool = False,
+                     clip_values: bool = False) -> None:
+    """One decode step's window bookkeeping, in place, for every sequence b (the compiled cache's step; ``clip_keys``/
+    ``clip_values`` as in :func:`quantize_and_write`):
 
     1. the step's token ``new_k/new_v[b]`` (``[B, H, D]`` or ``[B, H, 1, D]``) goes into the window
        ``res_k/res_v[b, :, res_lengths[b]]`` (``[B, H, capacity, D]``, capacity >= sinks + R + G);
@@ -115,7 +119,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
     grp = first[:, None] + torch.arange(g, device=res_k.device)  # [N, G] window slots of each oldest group
     idx = grp[:, None, :, None].expand(-1, res_k.shape[1], -1, res_k.shape[3])
     quantize_and_write(res_k[full].gather(2, idx), res_v[full].gather(2, idx), pages, q % p, k_codes, k_scale,
-                       k_zero, v_codes, v_scale, v_zero, key_bits, value_bits, g)
+                       k_zero, v_codes, v_scale, v_zero, key_bits, value_bits, g, clip_keys=clip_keys,
+                       clip_values=clip_values)
     for b, s0 in zip(full.tolist(), first.tolist(), strict=True):
         for res in (res_k, res_v):
             res[b, :, s0:s0 + residual_length] = res[b, :, s0 + g:s0 + g + residual_length].clone()

@@ -78,11 +78,12 @@ def _append_op(new_k: torch.Tensor, new_v: torch.Tensor, res_k: torch.Tensor, re
                res_lengths: torch.Tensor, sink_lengths: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor,
                k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
                v_scale: torch.Tensor, v_zero: torch.Tensor, key_bits: int, value_bits: int, group_size: int,
-               residual_length: int, sink_length: int) -> None:
+               residual_length: int, sink_length: int, clip_keys: bool, clip_values: bool) -> None:
     pool = PoolTensors(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)  # flattened for torch.library
     ops.append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, pool,
-                         key_bits=key_bits, value_bits=value_bits,
-                         group_size=group_size, residual_length=residual_length, sink_length=sink_length)
+                         key_bits=key_bits, value_bits=value_bits, group_size=group_size,
+                         residual_length=residual_length, sink_length=sink_length, clip_keys=clip_keys,
+                         clip_values=clip_values)
 
 
 @_append_op.register_fake
@@ -279,7 +280,8 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         cfg, g = self.cfg, self.cfg.group_size
         torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.window_len,
                                               self.sink_len, self.paged_len, self.block_table, *self.pool.args(),
-                                              cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length)
+                                              cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length,
+                                              *cfg.clip_args.values())
         self.decoding = True
         if not torch.compiler.is_compiling():
             self.host_seen += 1

@@ -283,7 +283,7 @@ class Store:
             slots_dev = self._upload(np.array(slots, dtype=np.int32))
         with checks.own_state():  # strided views of the window are fine (the kernels take strides): no copies
             ops.quantize_and_write(k_groups, v_groups, pages_dev, slots_dev, self.pool.args(), key_bits=cfg.key_bits,
-                                   value_bits=cfg.value_bits, group_size=cfg.group_size)
+                                   value_bits=cfg.value_bits, group_size=cfg.group_size, **cfg.clip_args)
         return pages_dev
 
     def _write_groups(self, items) -> None:

@@ -84,7 +84,8 @@ def _alone(model, prompts, preset, new=NEW, cfg=None):
     return [_serve(model, [p], _gen(new), cfg, preset)[0] for p in prompts]
 
 
-CACHES = {"int8": kivi_cache.Int8PagedCache, "int4": kivi_cache.Int4PagedCache, "int2": kivi_cache.Int2PagedCache}
+CACHES = {"int8": kivi_cache.Int8PagedCache, "int4": kivi_cache.Int4PagedCache, "int2": kivi_cache.Int2PagedCache,
+          "int2-rotate-clip": lambda: kivi_cache.Int2PagedCache(rotate="both", clip="both")}
 WIDE = dict(max_batch_tokens=512)  # a budget no prompt here outgrows: every prompt is one chunk, alone or batched
 
 
@@ -190,18 +191,21 @@ def test_version_gate(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ exact paths
 @ENGINE
-@pytest.mark.parametrize("preset", ["int4", "int2"])
+@pytest.mark.parametrize("preset", ["int4", "int2", "int2-rotate-clip"])
 @pytest.mark.parametrize("chunk", [64, None])
 def test_engine_equals_chunked_prefill_and_generate(preset, chunk):
     """A prompt of 257 or 321 tokens served in 64-token chunks (continuation chunks attend to pages and window; the
     window flushes) gives the tokens, and the log-probabilities, of ``prefill(chunk_size=64)`` + ``generate`` with the
     preset's cache; served as one chunk (its window flushes at once, sinks included), those of ``generate`` with the
     prompt in one forward. The quantization changes those log-probabilities, so the engine did use the quantized
-    cache."""
+    cache. ``int2-rotate-clip``: the int2 preset with rotated and clipped keys and values, in both."""
     model = tiny_llama_d64()
     prompts = _prompts([257, 321, 257, 321], seed=1)
     gen = _gen()
-    kivi_cache.enable_continuous_batching(model, preset=preset)
+    if preset == "int2-rotate-clip":
+        kivi_cache.enable_continuous_batching(model, config=preset_config("int2", rotate="both", clip="both"))
+    else:
+        kivi_cache.enable_continuous_batching(model, preset=preset)
     try:
         results = []
         for p in prompts:  # one at a time: the chunks of one request, as prefill makes them

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 import kivi_cache
 from kivi_cache import QuantizedPagedCache, cache_kwargs
+from kivi_cache.config import preset_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -58,9 +59,11 @@ def test_step_logits_close_to_reference_backend(bits):
     assert err < 1e-2
 
 
-def test_static_cache_compiles_in_generate_and_matches_eager():
+@pytest.mark.parametrize("extra", [{}, dict(rotate="both", clip="both")], ids=["plain", "rotate-clip"])
+def test_static_cache_compiles_in_generate_and_matches_eager(extra):
     """generate compiles the decode step by itself for StaticQuantizedPagedCache (inductor, CUDA graphs); the
-    tokens match the eager QuantizedPagedCache, and a second cache object reuses the compiled graph."""
+    tokens match the eager QuantizedPagedCache, and a second cache object reuses the compiled graph (also with
+    rotated keys and values and clipped groups)."""
     from torch._dynamo.utils import counters
 
     from kivi_cache import StaticQuantizedPagedCache
@@ -68,7 +71,7 @@ def test_static_cache_compiles_in_generate_and_matches_eager():
     model = tiny_llama_d64()
     ids = decisive_prompt(model, 70, margin=0.01, new_tokens=48).cuda()
     model = model.to("cuda", torch.float16)
-    cfg = dict(key_bits=4, value_bits=4, sink_length=2, **dict(SMALL, page_size=64))
+    cfg = dict(key_bits=4, value_bits=4, sink_length=2, **dict(SMALL, page_size=64), **extra)
     ref = _gen(model, ids, QuantizedPagedCache(**cfg), n=48)
     before = counters["stats"]["unique_graphs"]
     out = _gen(model, ids, StaticQuantizedPagedCache(model, 70 + 48, **cfg), n=48)
@@ -541,7 +544,7 @@ def test_static_cache_beam_search_and_reorder_on_the_gpu():
 
 @pytest.mark.skipif(kivi_cache.cb.unsupported_reason() is not None,
                     reason=str(kivi_cache.cb.unsupported_reason()))
-@pytest.mark.parametrize("preset", ["int4", "int2"])
+@pytest.mark.parametrize("preset", ["int4", "int2", "int2-rotate-clip"])
 def test_continuous_batching_on_the_gpu_equals_chunked_generate(preset):
     """transformers' continuous-batching engine on quantized pages (decode through the Triton kernels, later prompt
     chunks through the prefix op) gives for a request the tokens of the same prompt stored by 64-token chunks
@@ -554,7 +557,8 @@ def test_continuous_batching_on_the_gpu_equals_chunked_generate(preset):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (257, 321, 90, 1)]
     gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cache_cls = {"int4": kivi_cache.Int4PagedCache, "int2": kivi_cache.Int2PagedCache}[preset]
+    cache_cls = {"int4": kivi_cache.Int4PagedCache, "int2": kivi_cache.Int2PagedCache,
+                 "int2-rotate-clip": lambda: kivi_cache.Int2PagedCache(rotate="both", clip="both")}[preset]
     want = []
     for p in prompts:
         x = torch.tensor([p], device="cuda")
@@ -563,7 +567,10 @@ def test_continuous_batching_on_the_gpu_equals_chunked_generate(preset):
             kivi_cache.prefill(model, cache, x, chunk_size=64)
         with torch.no_grad():
             want.append(model.generate(x, generation_config=gen, **cache_kwargs(model, cache))[0, len(p):].tolist())
-    kivi_cache.enable_continuous_batching(model, preset=preset)
+    if preset == "int2-rotate-clip":
+        kivi_cache.enable_continuous_batching(model, config=preset_config("int2", rotate="both", clip="both"))
+    else:
+        kivi_cache.enable_continuous_batching(model, preset=preset)
     try:
         got = [next(iter(model.generate_batch([p], generation_config=gen, continuous_batching_config=(
             ContinuousBatchingConfig(page_size=64, num_blocks=64, max_batch_tokens=64))).values())).generated_tokens

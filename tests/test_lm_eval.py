@@ -19,7 +19,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-
 
 from models import tiny_llama  # noqa: E402
 
-from kivi_cache import Int4PagedCache, QuantizedPagedCache  # noqa: E402
+from kivi_cache import Int2PagedCache, Int4PagedCache, QuantizedPagedCache  # noqa: E402
 
 TASKS = Path(__file__).resolve().parents[1] / "eval" / "tasks"
 SMALL = "group_size=16,residual_length=16,page_size=32"
@@ -237,6 +237,17 @@ def test_cache_settings_checked_before_loading(monkeypatch):
         KiviLM(pretrained=tiny_llama(layers=1), key_bits=3)
     with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
         KiviLM(pretrained=tiny_llama(layers=1), chunk=0)
+    with pytest.raises(ValueError, match="clip must be one of"):
+        KiviLM(pretrained=tiny_llama(layers=1), preset="int2", clip="all")
+
+
+def test_rotate_and_clip_args(hflm_calls, tiny_dir):
+    from kivi_cache.lm_eval import KiviLM
+
+    lm = KiviLM.create_from_arg_string(f"pretrained={tiny_dir},preset=int2,rotate=both,clip=values",
+                                       {"device": "cpu"})
+    cfg = lm.new_cache().quant_config
+    assert (type(lm.new_cache()), cfg.rotate, cfg.clip, cfg.key_bits) == (Int2PagedCache, "both", "values", 4)
 
 
 @pytest.mark.parametrize("preset", [2, ["int4"], True, "int3", "INT4"])

@@ -1,7 +1,7 @@
 """Rotated keys and values (``QuantConfig.rotate``): the Hadamard matrix is orthogonal and symmetric (also block-wise
 for head_dims that are not powers of two), attention through a rotated cache is the unrotated attention (8 bits:
 the same tokens as full precision; materialized history in the model's basis), rotation spreads an outlier channel
-so that per-token value groups quantize it with less error, and the caches that cannot serve it refuse it."""
+so that per-token value groups quantize it with less error. Continuous batching with rotation: tests/test_cb.py."""
 
 import pytest
 import torch
@@ -80,11 +80,3 @@ def test_static_cache_stores_and_attends_rotated_as_the_eager_cache(rotate):
     assert torch.equal(_gen(model, ids, static, n=40), eager)
     unrotated = _gen(model, ids, QuantizedPagedCache(**dict(kw, rotate="none")), n=40)
     assert not torch.equal(unrotated, eager)  # the rotation changes the 2-bit codes, hence some token
-
-
-@pytest.mark.skipif(kivi_cache.cb.unsupported_reason() is not None, reason=str(kivi_cache.cb.unsupported_reason()))
-def test_continuous_batching_refuses_rotation():
-    model = tiny_llama_d64()
-    with pytest.raises(ValueError, match="rotate"):
-        kivi_cache.enable_continuous_batching(model, config=QuantConfig(rotate="both"))
-    assert "init_continuous_batching" not in model.__dict__

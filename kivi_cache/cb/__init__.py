@@ -103,9 +103,6 @@ def enable_continuous_batching(model, preset: str = "int4", *, config: QuantConf
     if window_slots is not None and (isinstance(window_slots, bool) or not isinstance(window_slots, int)
                                      or window_slots < 1):
         raise ValueError(f"window_slots must be an integer >= 1 or None, got {window_slots!r}")
-    if quant.rotate != "none":
-        raise ValueError(f"config.rotate={quant.rotate!r}: continuous batching stores keys and values unrotated "
-                         f"(rotate='none')")
     _check_model(model, quant)
     previous = getattr(model, "_kivi_cb", None)
     original = previous.attn_implementation if previous else model.config._attn_implementation

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
+from .. import ops, rotation
 
 
 @dataclass
@@ -95,26 +95,48 @@ class Step:
         cfg = cache.quant
         self.bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         self.rule = dict(residual_length=cfg.residual_length, sink_length=cfg.sink_length)
+        self.clip = cfg.clip_args
+        self.hadamard = None  # kivi_cache.rotation's H where cfg.rotate asks, made at the first layer
         decode = [r for r in rows if r.q == 1 and r.past > 0]
         self.decode = _Decode(cache, decode) if decode else None
         self.chunks = [_Chunk(cache, r) for r in rows if not (r.q == 1 and r.past > 0)]
 
     def attend(self, layer: int, query, key, value, scaling: float):
         """``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]`` (the batch's new tokens) -> attention
-        output ``[1, T, Hq, D]`` (rows of padding tokens zero); the layer's new tokens are stored."""
+        output ``[1, T, Hq, D]`` (rows of padding tokens zero); the layer's new tokens are stored. With
+        ``QuantConfig.rotate`` everything stored is rotated (:mod:`kivi_cache.rotation`): the step's keys and queries
+        by ``H`` where keys are, its values where values are, and the output turned back."""
         try:
-            out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
-            pool = self.cache.cache_allocators["full_attention"].pools[layer]
-            res_k, res_v = self.cache.res_k[layer], self.cache.res_v[layer]
-            if self.decode is not None:
-                out[0, self.decode.idx] = self._decode(pool, res_k, res_v, query, key, value, scaling)
-            for chunk in self.chunks:
-                r = chunk.row
-                out[0, r.start:r.start + r.q] = self._chunk(chunk, pool, res_k, res_v, query, key, value, scaling)
-            return out
+            rot_k, rot_v = self._rotations(query)
+            if rot_k is not None:
+                query, key = query @ rot_k, key @ rot_k
+            if rot_v is not None:
+                value = value @ rot_v
+            out = self._attend(layer, query, key, value, scaling)
+            return out if rot_v is None else out @ rot_v
         except BaseException as exc:
             self.cache.error = exc
             raise
+
+    def _rotations(self, query):
+        rot = self.cache.quant.rotate
+        if rot == "none":
+            return None, None
+        if self.hadamard is None:
+            self.hadamard = rotation.hadamard(query.shape[-1], query.dtype, query.device)
+        return (self.hadamard if rot in ("keys", "both") else None), (self.hadamard if rot in ("values", "both")
+                                                                      else None)
+
+    def _attend(self, layer: int, query, key, value, scaling: float):
+        out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
+        pool = self.cache.cache_allocators["full_attention"].pools[layer]
+        res_k, res_v = self.cache.res_k[layer], self.cache.res_v[layer]
+        if self.decode is not None:
+            out[0, self.decode.idx] = self._decode(pool, res_k, res_v, query, key, value, scaling)
+        for chunk in self.chunks:
+            r = chunk.row
+            out[0, r.start:r.start + r.q] = self._chunk(chunk, pool, res_k, res_v, query, key, value, scaling)
+        return out
 
     def _decode(self, pool, res_k, res_v, query, key, value, scaling):
         d = self.decode
@@ -123,7 +145,7 @@ class Step:
         new_v = value[0, :, d.idx].transpose(0, 1).contiguous()
         win_k, win_v = res_k.index_select(0, d.slots), res_v.index_select(0, d.slots)
         ops.append_and_flush(new_k, new_v, win_k, win_v, d.window0, d.sinks0, d.paged0, d.table, pool, **self.bits,
-                             **self.rule)
+                             **self.rule, **self.clip)
         out = ops.paged_decode_attention(q, d.table, d.paged1, pool, res_k=win_k, res_v=win_v,
                                          res_lengths=d.window1, **self.bits, sm_scale=scaling)
         # the windows that did not flush gained one token; those that did moved: copy them whole
@@ -163,7 +185,7 @@ class Step:
         seq_k = torch.cat([res_k[r.slot, :, :w0], k.to(res_k.dtype)], dim=1)
         seq_v = torch.cat([res_v[r.slot, :, :w0], v.to(res_v.dtype)], dim=1)
         groups = [x[:, s:s + n].unflatten(1, (n // g, g)).transpose(0, 1).contiguous() for x in (seq_k, seq_v)]
-        ops.quantize_and_write(*groups, c.pages, c.page_slots, pool, **self.bits)  # [N, H, G, D] each
+        ops.quantize_and_write(*groups, c.pages, c.page_slots, pool, **self.bits, **self.clip)  # [N, H, G, D] each
         keep = seq_k.shape[1] - n
         for res, seq in ((res_k, seq_k), (res_v, seq_v)):
             res[r.slot, :, :s] = seq[:, :s]  # the sinks (a first chunk's are new)
