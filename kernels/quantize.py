@@ -8,6 +8,13 @@ else: every reconstruction stays finite); zero = min rounded to nearest in the s
 computed from the *rounded* values (``floor((x - zero) / scale + 0.5)``, IEEE division, clamped; scale 0 gives
 code 0), packed (keys planar per token row, values per channel row along tokens: see
 :mod:`kivi_cache.quant`) and written with the scales and zeros at ``(pages[n], slots[n])``.
+
+Clipping (``clip_keys``/``clip_values``, constexprs ``CLIP_K``/``CLIP_V``), as :mod:`kivi_cache.quant`: each
+group is also quantized by the same steps on the ranges ``[lo + c, hi - c]``, ``c = (hi - lo) * (i / 32)`` for
+``i = 1 .. CLIP_STEPS - 1`` (:data:`.checks.CLIP_STEPS`; lo, hi the clamped extremes), and keeps the candidate with
+the lowest fp32 sum of squared reconstruction errors, the first of equal ones (a NaN group keeps the plain
+candidate's NaN scale and zero). Its products are rounded by themselves as torch's (on the GPU by inline PTX, which fp
+fusion leaves unfused), so that only the order of each error's sum differs from the reference's.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import triton.language as tl
 
 from . import checks
 from . import tuning as _tuning
-from ._util import Launcher, check_pool_strides, check_settings
+from ._util import Launcher, check_pool_strides, check_settings, interpreting
+
+_CLIP_STEPS = tl.constexpr(checks.CLIP_STEPS)  # candidate ranges of the clipping search (the plain one first)
 
 
 @triton.jit
@@ -67,16 +76,11 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr, BUMP: tl.constexpr,
-                   RECIP: tl.constexpr):
-    """fp32 x quantized over AXIS -> (scale, zero) in SDT and int32 codes computed from the rounded values."""
-    C: tl.constexpr = 2.0**14 if SDT == tl.float16 else 2.0**126  # kivi_cache.quant.range_bound(SDT)
-    # the group's extremes, NaN where it holds a NaN (the reductions propagate it); the extremes of the clamped values
-    # are the clamped extremes
-    lo = tl.reduce(x, AXIS, _min_nan)
-    hi = tl.reduce(x, AXIS, _max_nan)
-    poison = (lo - lo) + (hi - hi)  # NaN where the group holds a NaN or an inf, else +0 (subtracted: no change)
-    x = tl.minimum(tl.maximum(x, -C), C)
+def _quantize_range(x, lo, hi, poison, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr,
+                    BUMP: tl.constexpr, RECIP: tl.constexpr, C: tl.constexpr):
+    """x (clamped to [-C, C]) quantized over AXIS on the fp32 range [lo, hi] (reduced shape; clamped here) -> (scale,
+    zero) in SDT and fp32 codes in [0, QMAX] computed from the rounded values; a NaN poison makes scale and zero NaN
+    and the codes 0."""
     zero = (tl.minimum(tl.maximum(lo, -C), C) - poison).to(SDT)
     zf = zero.to(tl.float32)
     span = tl.maximum(tl.minimum(tl.maximum(hi, -C), C) - zf, 0.0)
@@ -90,7 +94,56 @@ def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr,
     pos = s > 0  # false for a NaN scale: code 0
     q = tl.math.div_rn(x - tl.expand_dims(zf, AXIS), tl.where(pos, s, 1.0))
     q = tl.where(pos, tl.floor(q + 0.5), 0.0)
-    return scale, zero, tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)
+    return scale, zero, tl.minimum(tl.maximum(q, 0.0), QMAX)
+
+
+@triton.jit
+def _mul_rn(a, b, PTX: tl.constexpr):
+    """fp32 a * b (broadcast) rounded by itself, as torch's: on the GPU a PTX ``mul.rn`` (never contracted with a
+    following add into an fma, as fp fusion does a plain product), under the interpreter a plain product."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def _squared_error(x, q, scale, zero, AXIS: tl.constexpr, PTX: tl.constexpr):
+    """fp32 sum over AXIS of (q * scale + zero - x)**2, each product and sum rounded as in
+    kivi_cache.quant._squared_error (the order of the sum aside)."""
+    e = _mul_rn(q, tl.expand_dims(scale.to(tl.float32), AXIS), PTX) + tl.expand_dims(zero.to(tl.float32), AXIS) - x
+    return tl.sum(_mul_rn(e, e, PTX), AXIS)
+
+
+@triton.jit
+def _quantize_axis(x, AXIS: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr, BUMP: tl.constexpr,
+                   RECIP: tl.constexpr, CLIP: tl.constexpr, PTX: tl.constexpr):
+    """fp32 x quantized over AXIS -> (scale, zero) in SDT and int32 codes computed from the rounded values; CLIP: the
+    range search (module docstring; PTX: its products by inline PTX, :func:`_mul_rn`)."""
+    C: tl.constexpr = 2.0**14 if SDT == tl.float16 else 2.0**126  # kivi_cache.quant.range_bound(SDT)
+    # the group's extremes, NaN where it holds a NaN (the reductions propagate it); the extremes of the clamped values
+    # are the clamped extremes
+    lo = tl.reduce(x, AXIS, _min_nan)
+    hi = tl.reduce(x, AXIS, _max_nan)
+    poison = (lo - lo) + (hi - hi)  # NaN where the group holds a NaN or an inf, else +0 (subtracted: no change)
+    x = tl.minimum(tl.maximum(x, -C), C)
+    scale, zero, q = _quantize_range(x, lo, hi, poison, AXIS, QMAX, SDT, BUMP, RECIP, C)
+    if CLIP:
+        err = _squared_error(x, q, scale, zero, AXIS, PTX)
+        lo = tl.minimum(tl.maximum(lo, -C), C)
+        hi = tl.minimum(tl.maximum(hi, -C), C)
+        for i in tl.static_range(1, _CLIP_STEPS):
+            cut = _mul_rn(hi - lo, tl.full(lo.shape, i / 32, tl.float32), PTX)  # i / 32: an exact fp32 constant
+            # [lo + cut, hi - cut] lies within [-C, C]: the helper's clamps leave it as it is
+            c_scale, c_zero, c_q = _quantize_range(x, lo + cut, hi - cut, poison, AXIS, QMAX, SDT, BUMP, RECIP, C)
+            c_err = _squared_error(x, c_q, c_scale, c_zero, AXIS, PTX)
+            better = c_err < err  # false for a NaN group: it keeps the plain candidate
+            err = tl.where(better, c_err, err)
+            scale = tl.where(better, c_scale, scale)
+            zero = tl.where(better, c_zero, zero)
+            q = tl.where(tl.expand_dims(better, AXIS), c_q, q)
+    return scale, zero, q.to(tl.int32)
 
 
 @triton.jit
@@ -110,6 +163,8 @@ def _quantize_write_kernel(
     BUMP_K: tl.constexpr, BUMP_V: tl.constexpr,  # scales stored in a 16-bit dtype: round them up in it
     RECIP: tl.constexpr,  # divide by qmax as a multiply by its fp32 reciprocal (as torch on CUDA)
     SPLIT: tl.constexpr,  # keys and values in separate programs (grid axis 2)
+    CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,  # the clipping range search for the key / value groups
+    PTX: tl.constexpr,  # not under the interpreter: the search's products by inline PTX (_mul_rn)
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -121,7 +176,7 @@ def _quantize_write_kernel(
         t = tl.arange(0, G)[:, None]
         x = tl.load(k_ptr + n.to(tl.int64) * s_kn + h * s_kh + t * s_kt + tl.arange(0, D)[None, :])
         scale, zero, codes = _quantize_axis(x.to(tl.float32), 0, (1 << KBITS) - 1, ks_ptr.dtype.element_ty,
-                                            BUMP_K, RECIP)
+                                            BUMP_K, RECIP, CLIP_K, PTX)
         ks_off = page * s_ksp + h * s_ksh + (slot // G) * s_ksg + tl.arange(0, D)
         tl.store(ks_ptr + ks_off, scale)
         tl.store(kz_ptr + ks_off, zero)
@@ -133,7 +188,7 @@ def _quantize_write_kernel(
         g3 = tl.arange(0, NGV)[None, :, None]
         y = tl.load(v_ptr + n.to(tl.int64) * s_vn + h * s_vh + t3 * s_vt + g3 * G + tl.arange(0, G)[None, None, :])
         vscale, vzero, vcodes = _quantize_axis(y.to(tl.float32), 2, (1 << VBITS) - 1, vs_ptr.dtype.element_ty,
-                                               BUMP_V, RECIP)
+                                               BUMP_V, RECIP, CLIP_V, PTX)
         t2 = tl.arange(0, G)[:, None]
         vs_off = page * s_vsp + h * s_vsh + (slot + t2) + tl.arange(0, NGV)[None, :] * s_vst  # [D // G, P] per page
         tl.store(vs_ptr + vs_off, vscale)
@@ -151,14 +206,15 @@ def _quant_tuning(t: _tuning.QuantTuning | None) -> _tuning.QuantTuning:
 
 def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                        key_bits: int, value_bits: int, group_size: int, *,
-                       tuning: _tuning.QuantTuning | None = None) -> None:
+                       tuning: _tuning.QuantTuning | None = None, clip_keys: bool = False,
+                       clip_values: bool = False) -> None:
     """Triton twin of :func:`kivi_cache.reference.quantize_and_write` (same arguments, in place).
 
     k, v: ``[N, H, G, D]`` (last dim contiguous); pool tensors with a contiguous
     last dim (other strides are passed to the kernel), zero points strided as their scales. Checked as the reference
     (:func:`.checks.check_write`) and by :func:`kernels._util.check_pool_strides`. ``tuning`` (a
     :class:`~kivi_cache.kernels.tuning.QuantTuning`; None: ``tuning.DEFAULT.quant``): programs per group, warps,
-    direct launches.
+    direct launches. ``clip_keys``/``clip_values``: the range search (module docstring) for the key / value groups.
     """
     t = _quant_tuning(tuning)
     pool = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
@@ -177,9 +233,11 @@ def quantize_and_write(k, v, pages, slots, k_codes, k_scale, k_zero, v_codes, v_
     split = int(t.split)
     meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
                 BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
-                RECIP=k.device.type == "cuda", SPLIT=split, num_warps=t.warps)
+                RECIP=k.device.type == "cuda", SPLIT=split, CLIP_K=bool(clip_keys), CLIP_V=bool(clip_values),
+                PTX=not interpreting(), num_warps=t.warps)
     # everything that fixes the compiled kernel besides the pointers' alignment (kernels._util.Launcher; the tuning's
-    # settings are in meta): the decode step's flushes then launch it directly (None: Triton's own launch)
+    # settings and the clip flags are in meta): the decode step's flushes then launch it directly (None: Triton's own
+    # launch)
     key = (k.shape[1:], k.stride(), v.stride(), k.dtype, v.dtype, k.device, pages.dtype, slots.dtype, k_codes.shape,
            k_codes.stride(), k_scale.stride(), k_scale.dtype, k_zero.stride(), k_zero.dtype, v_codes.stride(),
            v_scale.stride(), v_scale.dtype, v_zero.stride(), v_zero.dtype, tuple(meta.items()))
@@ -218,6 +276,7 @@ def _append_flush_kernel(
     s_vsp, s_vsh, s_vst,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     BUMP_K: tl.constexpr, BUMP_V: tl.constexpr, RECIP: tl.constexpr,
+    CLIP_K: tl.constexpr, CLIP_V: tl.constexpr, PTX: tl.constexpr,
 ):
     """Program (b, h, part): part 0 the keys, 1 the values of sequence b, KV head h. Writes the step's token at
     ``rlen[b]``; if the window is then full (R + G tokens behind the sinks), quantizes its oldest group (the G tokens
@@ -251,7 +310,7 @@ def _append_flush_kernel(
         if part == 0:  # keys: per channel over the G tokens
             x = tl.load(win + (s + t) * s_t + d[None, :])
             scale, zero, codes = _quantize_axis(x.to(tl.float32), 0, (1 << KBITS) - 1, ks_ptr.dtype.element_ty,
-                                                BUMP_K, RECIP)
+                                                BUMP_K, RECIP, CLIP_K, PTX)
             ks_off = page * s_ksp + h * s_ksh + (slot // G) * s_ksg + d
             tl.store(ks_ptr + ks_off, scale)
             tl.store(kz_ptr + ks_off, zero)
@@ -262,7 +321,7 @@ def _append_flush_kernel(
             g3 = tl.arange(0, NGV)[None, :, None]
             y = tl.load(win + (s + t3) * s_t + g3 * G + tl.arange(0, G)[None, None, :])
             vscale, vzero, vcodes = _quantize_axis(y.to(tl.float32), 2, (1 << VBITS) - 1, vs_ptr.dtype.element_ty,
-                                                   BUMP_V, RECIP)
+                                                   BUMP_V, RECIP, CLIP_V, PTX)
             vs_off = page * s_vsp + h * s_vsh + (slot + t) + tl.arange(0, NGV)[None, :] * s_vst
             tl.store(vs_ptr + vs_off, vscale)
             tl.store(vz_ptr + vs_off, vzero)
@@ -280,10 +339,11 @@ def _append_flush_kernel(
 
 def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table, k_codes, k_scale,
                      k_zero, v_codes, v_scale, v_zero, key_bits: int, value_bits: int, group_size: int,
-                     residual_length: int, sink_length: int, *, tuning: _tuning.QuantTuning | None = None) -> None:
+                     residual_length: int, sink_length: int, *, tuning: _tuning.QuantTuning | None = None,
+                     clip_keys: bool = False, clip_values: bool = False) -> None:
     """Triton twin of :func:`kivi_cache.reference.append_and_flush` (same arguments, in place): one launch, grid
     ``(B, H, 2)``; the lengths are read, never written. ``tuning``: as in :func:`quantize_and_write` (only its
-    ``fast_launch`` applies: four warps, one program per keys or values)."""
+    ``fast_launch`` applies: four warps, one program per keys or values); ``clip_keys``/``clip_values`` as there."""
     tun = _quant_tuning(tuning)
     checks.check_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, lengths, block_table,
                        (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), key_bits, value_bits, group_size,
@@ -308,7 +368,8 @@ def append_and_flush(new_k, new_v, res_k, res_v, res_lengths, sink_lengths, leng
             raise ValueError("window and block-table tensors must have a contiguous last dimension")
     meta = dict(G=group_size, D=d, KBITS=key_bits, VBITS=value_bits,
                 BUMP_K=k_scale.dtype != torch.float32, BUMP_V=v_scale.dtype != torch.float32,
-                RECIP=res_k.device.type == "cuda", num_warps=4)
+                RECIP=res_k.device.type == "cuda", CLIP_K=bool(clip_keys), CLIP_V=bool(clip_values),
+                PTX=not interpreting(), num_warps=4)
     key = (new_k.shape, new_k.stride(), new_v.stride(), new_k.dtype, res_k.shape, res_k.stride(), res_v.stride(),
            res_k.dtype, res_lengths.dtype, sink_lengths.dtype, lengths.dtype, block_table.shape, block_table.stride(),
            block_table.dtype, k_codes.shape, k_codes.stride(), k_scale.stride(), k_scale.dtype, k_zero.stride(),
