@@ -31,9 +31,9 @@ with the ImportError text where optimum-quanto is missing; its unpack op runs in
 the known final length through ``max_batch_size``/``max_cache_len``; ``--no-prealloc``: grown on demand). Opt-in:
 ``fp16-static`` and ``kivi-int4-static`` (compiled decoding), ``kivi-kv2`` (2-bit keys and values), ``kivi-int4-r32``
 and ``kivi-kv2-r32`` (32-token window), ``kivi-int4-g64`` (64-token groups); the Int2 preset with rotated keys and
-values (``-rot``: ``QuantConfig.rotate``) and/or clipped groups (``-clip``: ``QuantConfig.clip``), eager
-(``kivi-int2-rot``, ``kivi-int2-clip``, ``kivi-int2-rot-clip``, ``kivi-kv2-rot``) or compiled (``kivi-int2-static``
-and those names + ``-static``).
+values (``-rot``: ``QuantConfig.rotate``) or without its clipped key groups (``-noclip``: ``QuantConfig.clip``), eager
+(``kivi-int2-rot``, ``kivi-int2-noclip``, ``kivi-kv2-rot``) or compiled (``kivi-int2-static`` and those names +
+``-static``).
 
 Cases (``--cases``): ``short`` (batch 1, ``--prompt`` + ``--new``), ``long`` (batch 1, ``--long-prompt`` +
 ``--long-new``), ``ctx`` (batch 1, one cold run per ``--ctx-prompts`` length: peak memory against context) and

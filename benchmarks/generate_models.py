@@ -37,8 +37,7 @@ CACHES = ("fp16", "kivi-int4", "kivi-int2", "quanto-int4", "quanto-int2")
 STATIC_CACHES = ("fp16-static", "kivi-int4-static")
 # opt-in variants of the kivi presets
 EXTRA_CACHES = ("kivi-kv2", "kivi-int4-r32", "kivi-kv2-r32", "kivi-int4-g64", "kivi-int2-rot", "kivi-kv2-rot",
-                "kivi-int2-clip", "kivi-int2-rot-clip", "kivi-int2-static", "kivi-int2-rot-static",
-                "kivi-int2-clip-static", "kivi-int2-rot-clip-static")
+                "kivi-int2-noclip", "kivi-int2-static", "kivi-int2-rot-static", "kivi-int2-noclip-static")
 ALL_CACHES = CACHES + STATIC_CACHES + EXTRA_CACHES
 KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
                 # 2-bit keys and values, group 32, 4 sinks (0.375 bytes per element; Int2PagedCache keeps 4-bit keys)
@@ -52,9 +51,8 @@ KIVI_CLASSES = {"kivi-int4": Int4PagedCache, "kivi-int2": Int2PagedCache,
                 "kivi-int4-g64": functools.partial(Int4PagedCache, group_size=64),
                 # keys and values stored Hadamard-rotated (queries rotated, outputs turned back: QuantConfig.rotate)
                 "kivi-int2-rot": functools.partial(Int2PagedCache, rotate="both"),
-                # groups quantized with the best of 8 narrowed ranges (QuantConfig.clip)
-                "kivi-int2-clip": functools.partial(Int2PagedCache, clip="both"),
-                "kivi-int2-rot-clip": functools.partial(Int2PagedCache, rotate="both", clip="both"),
+                # key groups quantized with their full min/max range (the preset clips them: QuantConfig.clip)
+                "kivi-int2-noclip": functools.partial(Int2PagedCache, clip="none"),
                 "kivi-kv2-rot": functools.partial(QuantizedPagedCache, key_bits=2, value_bits=2, group_size=32,
                                                   residual_length=128, sink_length=4, rotate="both")}
 
@@ -270,12 +268,12 @@ def make_cache(name: str, model, batch: int, total_len: int, args, quanto_info: 
 
         return StaticQuantizedPagedCache(model, total_len)
     if name.startswith("kivi-int2") and name.endswith("-static"):  # the Int2 preset compiled; -rot: rotated keys
-        from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415  # and values; -clip: clipped groups
+        from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415  # and values; -noclip: unclipped keys
         from kivi_cache.config import PRESETS  # noqa: PLC0415
 
-        return StaticQuantizedPagedCache(model, total_len, **PRESETS["int2"],
-                                         rotate="both" if "-rot" in name else "none",
-                                         clip="both" if "-clip" in name else "none")
+        kw = dict(PRESETS["int2"])
+        kw.update({"rotate": "both"} if "-rot" in name else {}, **({"clip": "none"} if "-noclip" in name else {}))
+        return StaticQuantizedPagedCache(model, total_len, **kw)
     if name.startswith("quanto-"):
         if not quanto_info["available"]:
             raise ImportError(quanto_info["error"])

@@ -3,7 +3,7 @@
 
 For every batch and bits setting (key bits / value bits / group size; ``--kv-heads``, ``--head-dim``, fp16 keys and
 values, a ``kivi_cache.testing.random_pool`` of ``--page-size``-token pages; ``--clip``: the groups' range search of
-``QuantConfig.clip``, ``none`` (default) and/or ``both``) three operations:
+``QuantConfig.clip``: ``none`` (default), ``keys``, ``values``, ``both``) three operations:
 
 * ``flush``: ``quantize_and_write`` of one group per sequence (what a decode step writes when a window is full);
 * ``prefill``: ``quantize_and_write`` of ``--prefill`` tokens per sequence (``prefill / group`` groups each);
@@ -12,7 +12,7 @@ values, a ``kivi_cache.testing.random_pool`` of ``--page-size``-token pages; ``-
 
 Each is first run by the kernels and by the torch reference (``kivi_cache.reference``) on copies of the same pool and
 windows: the rows report the largest scale/zero difference, the largest code difference (in quantization steps: one
-at rounding ties) and the fraction of equal codes, and ``check`` = ``ok`` or ``FAIL`` (with ``--clip both`` a group
+at rounding ties) and the fraction of equal codes, and ``check`` = ``ok`` or ``FAIL`` (with clipping a group
 whose candidate ranges reconstruct it almost equally well may take another range than the reference's, fp32 sums
 being ordered differently: there only 99.9% equal codes are required). Then the three are timed in
 turns (``harness.time_alternating``: CUDA-graph replays timed with CUDA events, the order reversed every other
@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", default=None, help="sequences (default 1,8,32; quick 1)")
     ap.add_argument("--bits", default=None, help=f"KEY_BITS/VALUE_BITS/GROUP_SIZE list (default {BITS}; quick "
                     f"{QUICK_BITS})")
-    ap.add_argument("--clip", default="none", help="comma list of none/both: write without and/or with the range "
-                    "search of QuantConfig.clip (default none)")
+    ap.add_argument("--clip", default="none", help="comma list of none/keys/values/both: the groups the range search "
+                    "of QuantConfig.clip runs for (default none)")
     ap.add_argument("--kv-heads", type=int, default=None, help="default 8 (quick 1)")
     ap.add_argument("--head-dim", type=int, default=None, help="default 128 (quick 64)")
     ap.add_argument("--page-size", type=int, default=64)
@@ -86,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as exc:
         ap.error(str(exc) if str(exc).startswith("--") else f"--batches: {args.batches!r} is not a list of integers")
     args.clip_list = args.clip.split(",")
-    if not set(args.clip_list) <= {"none", "both"}:
-        ap.error(f"--clip: a comma list of none and both, got {args.clip!r}")
+    if not set(args.clip_list) <= {"none", "keys", "values", "both"}:
+        ap.error(f"--clip: a comma list of none, keys, values and both, got {args.clip!r}")
     if min(args.batch_list) < 1 or args.kv_heads < 1 or args.reps < 1 or args.residual < 0 or args.sinks < 0:
         ap.error("--batches, --kv-heads and --reps must be positive, --residual and --sinks not negative")
     H.kernels(q)  # the interpreter on (a CPU quick run) before kivi_cache imports Triton
@@ -148,7 +148,7 @@ def case_rows(args, kk, dev, b: int, bits: tuple, clip: str, gen, bw: float) -> 
     pool = [pd[k] for k in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")]
     base = dict(batch=b, kv_heads=h, head_dim=d, page_size=p, bits=f"{kb}/{vb}/{g}", key_bits=kb, value_bits=vb,
                 group_size=g, clip=clip)
-    flags = dict(clip_keys=clip == "both", clip_values=clip == "both")
+    flags = dict(clip_keys=clip in ("keys", "both"), clip_values=clip in ("values", "both"))
     fns, rows = {}, {}
 
     def writes(n_tok: int):
@@ -166,7 +166,7 @@ def case_rows(args, kk, dev, b: int, bits: tuple, clip: str, gen, bw: float) -> 
         call(reference, want)
         fns[op] = lambda call=call: call(kk, pool)
         rows[op] = dict(base, op=f"{op} (quantize_and_write)", tokens=n_tok, groups=groups,
-                        bytes=write_bytes(groups, h, g, d, kb, vb), **compare(got, want, bits, clip == "both"))
+                        bytes=write_bytes(groups, h, g, d, kb, vb), **compare(got, want, bits, clip != "none"))
 
     cap = s + r + g
     wk = torch.randn(b, h, cap, d, device=dev, dtype=torch.float16, generator=gen)
@@ -186,7 +186,7 @@ def case_rows(args, kk, dev, b: int, bits: tuple, clip: str, gen, bw: float) -> 
     moved = 2 * b * h * d * 2 * 2 + 2 * b * h * r * d * 2 * 2  # the token written; the window's R tokens moved
     rows["append_and_flush"] = dict(base, op="append_and_flush", tokens=1, groups=b, residual=r, sinks=s,
                                     bytes=write_bytes(b, h, g, d, kb, vb) + moved,
-                                    **compare(got, want, bits, clip == "both"))
+                                    **compare(got, want, bits, clip != "none"))
     for op, row in rows.items():
         if row["check"] == "FAIL":
             H.log(f"WARNING b={b} {row['bits']} {op}: the kernels differ from the reference: {row}")

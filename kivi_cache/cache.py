@@ -327,11 +327,13 @@ class Int4PagedCache(QuantizedPagedCache):
 
 class Int2PagedCache(QuantizedPagedCache):
     """The 2-bit memory class: 0.44 bytes per cached element (fp16: 2), spent as 4-bit keys and 2-bit
-    values in groups of 64, residual 128, and 4 attention-sink tokens in full precision.
+    values in groups of 64, residual 128, and 4 attention-sink tokens in full precision; key groups are
+    clipped (``clip="keys"``: each group's best narrowed range, :mod:`kivi_cache.quant`).
 
     Keys keep 4 bits because retrieval (the needle test) needs their precision far more than the values'
-    (perplexity and needle per setting: eval/perplexity.py, eval/needle.py). For the smallest cache use
-    ``QuantizedPagedCache(key_bits=2, value_bits=2, sink_length=4)`` (0.375 bytes per element)."""
+    (perplexity and needle per setting: eval/perplexity.py, eval/needle.py, docs/quality.md). For the smallest
+    cache use ``QuantizedPagedCache(key_bits=2, value_bits=2, sink_length=4, clip="keys")`` (0.375 bytes per
+    element)."""
 
     def __init__(self, **overrides):
         super().__init__(**dict(PRESETS["int2"], **overrides))

@@ -171,7 +171,7 @@ def _element_size(dtype) -> int:
 PRESETS = {
     "int8": dict(key_bits=8, value_bits=8, group_size=32, residual_length=128, sink_length=4),
     "int4": dict(key_bits=4, value_bits=4, group_size=32, residual_length=128, sink_length=4),
-    "int2": dict(key_bits=4, value_bits=2, group_size=64, residual_length=128, sink_length=4),
+    "int2": dict(key_bits=4, value_bits=2, group_size=64, residual_length=128, sink_length=4, clip="keys"),
 }
 
 

@@ -33,6 +33,19 @@ def test_quick_run_writes_provenance_and_checked_rows(tmp_path, monkeypatch):
     assert (flush["groups"], prefill["groups"], step["groups"]) == (1, 2, 1)  # batch 1, prefill 64 tokens, group 32
 
 
+def test_quick_run_with_clipped_keys(tmp_path, monkeypatch):
+    """``--clip none,keys``: each operation once per setting, the clipped rows checked against the clipped
+    reference."""
+    out = tmp_path / "quantize.json"
+    monkeypatch.setattr(sys, "argv", ["benchmarks/quantize.py", "--quick", "--bits", "4/2/64", "--clip", "none,keys",
+                                      "--commit", "abc1234", "--out", str(out)])
+    rec = Q.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["clip"], r["op"].split()[0]) for r in rows] == [(c, op) for c in ("none", "keys")
+                                                               for op in ("flush", "prefill", "append_and_flush")]
+    assert not Q.failed(rec) and all(r["check"] == "ok" for r in rows)
+
+
 def test_compare_flags_a_wrong_code():
     import torch
 
@@ -52,6 +65,7 @@ def test_compare_flags_a_wrong_code():
     (["--bits", "4/5/32"], "--bits 4/5/32: value_bits=5 is not supported"),
     (["--batches", "1,two"], "--batches: '1,two' is not a list of integers"),
     (["--prefill", "48"], "--prefill 48: not a whole number of groups of 32"),
+    (["--clip", "none,all"], "--clip: a comma list of none, keys, values and both, got 'none,all'"),
 ])
 def test_bad_options_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
