@@ -25,6 +25,7 @@ default names end in ``_quick`` (git-ignored), so a smoke run never overwrites a
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import random
 import sys
@@ -96,7 +97,7 @@ def make_cache(name: str):
     ``int4-nosink``/``int2-nosink`` (group 32, residual 128, no full-precision sink tokens), or
     ``kivi:ARGS`` with QuantizedPagedCache keyword arguments, e.g.
     ``kivi:key_bits=4+value_bits=2+group_size=64+sink_length=4+rotate=both`` (``+`` between arguments; whole
-    numbers become ints)."""
+    numbers become ints, a bracketed value a Python literal: ``layer_bits=[(4,2),(2,2)]``)."""
     from transformers import DynamicCache
 
     import kivi_cache
@@ -106,7 +107,10 @@ def make_cache(name: str):
         for item in name[5:].split("+"):
             key, _, value = item.partition("=")
             value = value.strip()
-            kw[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
+            if value[:1] in "[(":
+                kw[key.strip()] = ast.literal_eval(value)
+            else:
+                kw[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
         return kivi_cache.QuantizedPagedCache(**kw)
 
     if name.endswith("-nosink"):
@@ -114,6 +118,20 @@ def make_cache(name: str):
         return kivi_cache.QuantizedPagedCache(key_bits=bits, value_bits=bits, group_size=32, residual_length=128)
     return {"fp": DynamicCache, "int8": kivi_cache.Int8PagedCache, "int4": kivi_cache.Int4PagedCache,
             "int2": kivi_cache.Int2PagedCache}[name]()
+
+
+def split_caches(text: str) -> list[str]:
+    """``--caches``: names separated by commas outside brackets (a ``kivi:`` literal keeps its own commas)."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "[(":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+    return names + [text[start:]]
 
 
 @torch.no_grad()
@@ -254,7 +272,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
-    caches = args.caches.split(",")
+    caches = split_caches(args.caches)
     from eval.perplexity import default_data_path, environment, load_texts, provenance, smollm2_module
 
     prov = provenance("needle.py", argv, args.commit)

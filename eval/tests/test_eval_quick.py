@@ -68,6 +68,16 @@ def test_needle(needle, tmp_path):
     assert (args.lengths, args.depths) == ("512", "0,100")
 
 
+def test_needle_cache_names(needle):
+    """``--caches`` splits on commas outside brackets; a ``kivi:`` value in brackets is a Python literal."""
+    text = "int2,kivi:group_size=32+clip=keys+layer_bits=[(4,2),(2,2)],fp"
+    names = needle.split_caches(text)
+    assert names == ["int2", "kivi:group_size=32+clip=keys+layer_bits=[(4,2),(2,2)]", "fp"]
+    cache = needle.make_cache(names[1])
+    assert cache.quant_config.clip == "keys" and cache.quant_config.group_size == 32
+    assert [cache.layer_config(i).key_bits for i in range(2)] == [4, 2]
+
+
 def test_provenance_names_the_command_and_the_commit(perplexity):
     """Every result file starts with the date, the command as run and the commit (``--commit`` wins over git)."""
     p = perplexity.provenance("needle.py", ["--quick", "--caches", "fp,int4"], commit="abc1234")
