@@ -59,7 +59,7 @@ class QuantConfig:
             value = getattr(self, name)
             if value is True or value is False:
                 object.__setattr__(self, name, "both" if value else "none")
-            elif getattr(self, name) not in ROTATE:
+            elif value not in ROTATE:
                 raise ValueError(f"{name} must be one of {ROTATE} or a bool, got {value!r}")
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)

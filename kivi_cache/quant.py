@@ -29,11 +29,11 @@ group has scale 0, codes 0, and dequantizes exactly to its value.
 Clipping (``clip=True``; ``QuantConfig.clip``): steps 2-4 run once for each ``i`` in ``0 ..
 CLIP_STEPS - 1`` (8) on the range narrowed about its centre, ``[min + c, max - c]`` with
 ``c = (max - min) * (i / 32)`` in fp32 (``i = 0``: the plain range; the narrowest keeps 9/16 of the
-span), and the group keeps the
-candidate whose reconstruction ``code * scale + zero`` (fp32, from the stored scale and zero point) has
-the lowest sum of squared errors against the clamped group, the first of equal ones. Elements beyond a
-narrowed range take the end codes. At 2 bits a group's extremes cost every other element resolution;
-the search trades them for it where that lowers the group's error, and never raises it.
+span), and the group keeps the candidate whose reconstruction ``code * scale + zero`` (fp32, from the
+stored scale and zero point) has the lowest sum of squared errors against the clamped group, the first
+of equal ones. Elements beyond a narrowed range take the end codes. At 2 bits a group's extremes cost
+every other element resolution; the search trades them for it where that lowers the group's error, and
+never raises it.
 
 Range: ``code * scale + zero`` lies within ``3 C`` of 0 (``C + 2 C`` rounded up) for every stored triple, so finite
 inputs dequantize to finite values in S at every bit width and on every backend. Finite elements beyond ``+-C``
