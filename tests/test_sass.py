@@ -109,7 +109,7 @@ D64_K2 = ("D=64", "KBITS=2", "VBITS=2")  # 2/2 bits at head_dim 64 (SmolLM2, Lla
 D64_INT2 = ("D=64", "KBITS=4", "VBITS=2", "G=64")  # the Int2PagedCache preset at head_dim 64
 VALUES8 = ("KBITS=8", "VBITS=8", "GROUP=1", "GP=1", "D=64", "KASM=0", "VASM=0")
 QUANTIZE = [(), ("KBITS=2", "VBITS=4", "SDT=bf16", "DT=bf16"), ("KBITS=8", "VBITS=8", "SDT=fp32", "DT=fp32", "SPLIT=0"),
-            ("KBITS=2", "VBITS=2", "D=64", "G=64")]
+            ("KBITS=2", "VBITS=2", "D=64", "G=64"), ("CLIP_K=1",)]  # the last: the clipping search for key groups
 # every build the tests below check (the default decode build serves three of them)
 JOBS = ([decode_job(*c) for c, _ in DECODE_BUDGETS] + [decode_job(*NEWKV_MERGE), decode_job(*STAGES3),
                                                       decode_job(*STEP32, maxnreg=128)]

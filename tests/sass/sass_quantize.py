@@ -1,6 +1,7 @@
 """Build the quantize_and_write kernel for sm_90 on a machine without a GPU (Triton's wheel ships ptxas).
 
     python tests/sass/sass_quantize.py [KEY=VALUE ...]   e.g. KBITS=2 VBITS=4 G=32 D=128 SPLIT=1 SDT=bf16 DT=fp16
+                                                         CLIP_K=1 (the clipping search for the key groups)
 Prints a JSON line: registers, spill instructions, SASS instruction count. The interpreter never compiles, so
 this is where compile-only problems of the kernel show up on the CPU (tests/test_sass.py runs it).
 """
@@ -24,7 +25,7 @@ from sass_decode import disassemble  # noqa: E402
 
 def summary(argv):
     """Build the kernel for the KEY=VALUE strings ``argv``; the summary dict (main prints it as the JSON line)."""
-    const = dict(G=32, D=128, KBITS=4, VBITS=4, SPLIT=1, RECIP=True)
+    const = dict(G=32, D=128, KBITS=4, VBITS=4, SPLIT=1, RECIP=True, CLIP_K=0, CLIP_V=0, PTX=1)
     types = dict(DT="fp16", SDT="fp16")
     for a in argv:
         k, v = a.split("=")
@@ -34,6 +35,9 @@ def summary(argv):
             const[k] = int(v)
     const["BUMP_K"] = const["BUMP_V"] = types["SDT"] != "fp32"
     fn = quantize._quantize_write_kernel
+    missing = [fn.arg_names[i] for i in fn.constexprs if fn.arg_names[i] not in const]
+    if missing:  # it would build as a runtime argument, both sides of its branches compiled
+        raise SystemExit(f"sass_quantize.py: no value for the kernel's constexprs {missing}")
     ptrs = {"k_ptr": types["DT"], "v_ptr": types["DT"], "pages_ptr": "i64", "slots_ptr": "i64", "kc_ptr": "u8",
             "vc_ptr": "u8", "ks_ptr": types["SDT"], "kz_ptr": types["SDT"], "vs_ptr": types["SDT"],
             "vz_ptr": types["SDT"]}
