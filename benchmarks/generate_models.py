@@ -267,12 +267,16 @@ def make_cache(name: str, model, batch: int, total_len: int, args, quanto_info: 
         from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415
 
         return StaticQuantizedPagedCache(model, total_len)
-    if name.startswith("kivi-int2") and name.endswith("-static"):  # the Int2 preset compiled; -rot: rotated keys
-        from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415  # and values; -noclip: unclipped keys
+    if name.startswith("kivi-int2") and name.endswith("-static"):
+        # the Int2 preset compiled; -rot: rotated keys and values; -noclip: unclipped keys
+        from kivi_cache import StaticQuantizedPagedCache  # noqa: PLC0415
         from kivi_cache.config import PRESETS  # noqa: PLC0415
 
         kw = dict(PRESETS["int2"])
-        kw.update({"rotate": "both"} if "-rot" in name else {}, **({"clip": "none"} if "-noclip" in name else {}))
+        if "-rot" in name:
+            kw["rotate"] = "both"
+        if "-noclip" in name:
+            kw["clip"] = "none"
         return StaticQuantizedPagedCache(model, total_len, **kw)
     if name.startswith("quanto-"):
         if not quanto_info["available"]:

@@ -147,10 +147,7 @@ class QuantizedPagedLayer(Store, DeviceMirror, CacheLayerMixin):
         self.pads = [0] * b
         self.sinks = [0] * b
         self.hidden = [0] * b
-        rot = self.cfg.rotate
-        h_mat = None if rot == "none" else rotation.hadamard(d, self.dtype, self.device)
-        self.rot_k = h_mat if rot in ("keys", "both") else None  # stored keys are k @ rot_k (kivi_cache.rotation)
-        self.rot_v = h_mat if rot in ("values", "both") else None
+        self.rot_k, self.rot_v = rotation.matrices(self.cfg.rotate, d, self.dtype, self.device)
         cap = capacity(self.cfg.sink_length, self.cfg.residual_length, self.cfg.group_size)
         self.res_k = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)
         self.res_v = torch.zeros_like(self.res_k)

@@ -43,3 +43,10 @@ def hadamard(head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
     """``[head_dim, head_dim]``: symmetric, orthogonal (module docstring)."""
     check_head_dim(head_dim)
     return _hadamard(head_dim).to(device=device, dtype=dtype)
+
+
+def matrices(rotate: str, head_dim: int, dtype: torch.dtype, device) -> tuple:
+    """``(rot_k, rot_v)`` for ``QuantConfig.rotate``: :func:`hadamard` where keys / values are rotated, else None
+    (stored keys are ``k @ rot_k``, stored values ``v @ rot_v``)."""
+    h = None if rotate == "none" else hadamard(head_dim, dtype, device)
+    return (h if rotate in ("keys", "both") else None), (h if rotate in ("values", "both") else None)

@@ -281,7 +281,7 @@ class StaticQuantizedPagedLayer(QuantizedPagedLayer):
         torch.ops.kivi_cache.append_and_flush(key_states, value_states, self.res_k, self.res_v, self.window_len,
                                               self.sink_len, self.paged_len, self.block_table, *self.pool.args(),
                                               cfg.key_bits, cfg.value_bits, g, cfg.residual_length, cfg.sink_length,
-                                              *cfg.clip_args.values())
+                                              cfg.clip_args["clip_keys"], cfg.clip_args["clip_values"])
         self.decoding = True
         if not torch.compiler.is_compiling():
             self.host_seen += 1

@@ -96,7 +96,7 @@ class Step:
         self.bits = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, group_size=cfg.group_size)
         self.rule = dict(residual_length=cfg.residual_length, sink_length=cfg.sink_length)
         self.clip = cfg.clip_args
-        self.hadamard = None  # kivi_cache.rotation's H where cfg.rotate asks, made at the first layer
+        self.rotations = None  # kivi_cache.rotation.matrices of cfg.rotate, made at the first layer
         decode = [r for r in rows if r.q == 1 and r.past > 0]
         self.decode = _Decode(cache, decode) if decode else None
         self.chunks = [_Chunk(cache, r) for r in rows if not (r.q == 1 and r.past > 0)]
@@ -107,7 +107,10 @@ class Step:
         ``QuantConfig.rotate`` everything stored is rotated (:mod:`kivi_cache.rotation`): the step's keys and queries
         by ``H`` where keys are, its values where values are, and the output turned back."""
         try:
-            rot_k, rot_v = self._rotations(query)
+            if self.rotations is None:
+                self.rotations = rotation.matrices(self.cache.quant.rotate, query.shape[-1], query.dtype,
+                                                   query.device)
+            rot_k, rot_v = self.rotations
             if rot_k is not None:
                 query, key = query @ rot_k, key @ rot_k
             if rot_v is not None:
@@ -117,15 +120,6 @@ class Step:
         except BaseException as exc:
             self.cache.error = exc
             raise
-
-    def _rotations(self, query):
-        rot = self.cache.quant.rotate
-        if rot == "none":
-            return None, None
-        if self.hadamard is None:
-            self.hadamard = rotation.hadamard(query.shape[-1], query.dtype, query.device)
-        return (self.hadamard if rot in ("keys", "both") else None), (self.hadamard if rot in ("values", "both")
-                                                                      else None)
 
     def _attend(self, layer: int, query, key, value, scaling: float):
         out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
